@@ -1,0 +1,24 @@
+"""The entry point of the in-tree ``reference`` backend: it registers like any third-party plugin."""
+
+from __future__ import annotations
+
+from arnorm._reference import SPEC_CAPABILITIES
+from arnorm._spec import BackendSpec, hookimpl
+
+__all__ = ["arnorm_backends"]
+
+
+@hookimpl
+def arnorm_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="reference",
+            priority=0,
+            capabilities=SPEC_CAPABILITIES,
+            loader="arnorm._reference:ReferenceBackend",
+            requires=("torch",),
+            distribution="arnorm",
+            install_hint="pip install arnorm",
+            description="pure torch: all-gather + fp32 rank-order sum + add + RMSNorm + quant",
+        )
+    ]

@@ -1,0 +1,50 @@
+"""``Problem``: everything a backend needs to decide whether it can serve an op, as one hashable value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DTYPES", "Problem"]
+
+#: dtypes arnorm accepts, by torch name.
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """The static description of one ``AllReduceNorm``: identical on every rank.
+
+    ``platform`` is ``"cuda"``, ``"rocm"`` or ``"cpu"``; ``arch`` the CUDA compute capability
+    ``(major, minor)`` or, on ROCm, ``(0, 0)`` with the gfx name in ``gfx_arch``.
+    ``quant`` is ``None`` or one of :data:`arnorm.QUANT_FORMATS` and ``scale_layout`` is set for
+    nvfp4 and mxfp8 only.
+    """
+
+    world_size: int
+    hidden_size: int
+    dtype: str
+    eps: float
+    weight_offset: float
+    quant: str | None
+    scale_layout: str | None
+    max_tokens: int
+    normed_output: bool
+    inplace: bool
+    device_type: str
+    platform: str
+    arch: tuple[int, int] | None = None
+    gfx_arch: str | None = None
+
+    @property
+    def quant_name(self) -> str:
+        """The quant format, ``"none"`` for no quantized output."""
+        return self.quant or "none"
+
+    def short(self) -> str:
+        """A one-line summary for logs: ``tp=2 hidden=4096 bfloat16 quant=fp8_static gemma cpu``."""
+        norm = {0.0: "plain", 1.0: "gemma"}.get(self.weight_offset, f"offset={self.weight_offset:g}")
+        layout = f"/{self.scale_layout}" if self.scale_layout else ""
+        return (
+            f"tp={self.world_size} hidden={self.hidden_size} {self.dtype} "
+            f"quant={self.quant_name}{layout} {norm} {self.platform}"
+        )

@@ -1,0 +1,114 @@
+"""The numerics contract in plain torch, and the ``reference`` backend built on it.
+
+Steps (DESIGN.md, "Numerics contract"), for partials ``x_r`` in dtype ``D``:
+
+1. ``s = D(sum_r fp32(x_r))``, fp32 accumulation in rank order, one rounding;
+2. ``h = D(fp32(s) + fp32(residual))``                                   -> ``Output.residual``;
+3. ``y = D(fp32(h) * rsqrt(mean(fp32(h)**2) + eps) * (b + fp32(g)))``     -> ``Output.normed``;
+4. ``q = Q(y)``: the quantizer reads the ``D``-rounded ``y``              -> ``Output.quant``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from arnorm._capabilities import Capabilities
+from arnorm._types import Output, QuantizedActivation
+
+if TYPE_CHECKING:
+    import torch
+
+    from arnorm._comm import Comm
+    from arnorm._config import Config
+    from arnorm._problem import Problem
+
+__all__ = ["ReferenceBackend", "add_rmsnorm", "quantize_output", "rank_order_sum"]
+
+
+def rank_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Step 1: ``D(sum_r fp32(parts[r]))``, accumulated in fp32 from rank 0 up."""
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc.to(parts[0].dtype)
+
+
+def add_rmsnorm(
+    reduced: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2 and 3: ``(h, y)`` from the reduced sum ``s``; both in the dtype of ``reduced``."""
+    import torch
+
+    h = (reduced.float() + residual.float()).to(reduced.dtype)
+    hf = h.float()
+    inv_rms = torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps)
+    y = (hf * inv_rms * (weight.float() + weight_offset)).to(reduced.dtype)
+    return h, y
+
+
+def quantize_output(
+    y: torch.Tensor, quant: str | None, scale: torch.Tensor | None, layout: str | None
+) -> QuantizedActivation | None:
+    """Step 4 through the bit-exact quantizers of :mod:`arnorm.quant` (``None`` when ``quant`` is)."""
+    if quant is None:
+        return None
+    from arnorm.quant import quantize
+
+    return quantize(y, quant, scale=scale, layout=layout)
+
+
+class ReferenceBackend:
+    """Pure torch on any device: all-gather the partials, then steps 1-4 exactly as written.
+
+    Slow (several kernels and a gather of every partial) and always correct: it is the oracle the
+    other backends are checked against and the fallback auto mode ends on.
+    """
+
+    name: ClassVar[str] = "reference"
+
+    def __init__(self, problem: Problem, comm: Comm) -> None:
+        self._problem = problem
+        self._comm = comm
+
+    @classmethod
+    def probe(cls, problem: Problem) -> tuple[str, ...]:
+        return ()
+
+    @classmethod
+    def create(cls, problem: Problem, comm: Comm, config: Config) -> ReferenceBackend:
+        return cls(problem, comm)
+
+    def check_tokens(self, num_tokens: int) -> tuple[str, ...]:
+        return ()
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+    ) -> Output:
+        p = self._problem
+        if self._comm.world_size == 1:
+            reduced = hidden_states
+        else:
+            reduced = rank_order_sum(self._comm.all_gather(hidden_states))
+        h, y = add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset)
+        q = quantize_output(y, p.quant, scale, p.scale_layout)
+        if p.inplace:
+            h = hidden_states.copy_(h)
+        return Output(y if p.normed_output else None, h, q)
+
+    def close(self) -> None:
+        return None
+
+
+SPEC_CAPABILITIES = Capabilities(
+    platforms=frozenset({"cpu", "cuda", "rocm"}),
+    quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+)

@@ -1,0 +1,88 @@
+"""Value types of the public API: the norm, the outputs and the quantized activation.
+
+All of them are immutable; none imports torch (tensors are only annotated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["QUANT_FORMATS", "SCALE_LAYOUTS", "Output", "QuantizedActivation", "RMSNorm"]
+
+#: Quantized output formats, in the order the docs list them (``None`` means no quantized output).
+QUANT_FORMATS: tuple[str, ...] = ("fp8_static", "fp8_per_token", "nvfp4", "mxfp8")
+#: Layouts of block scales (nvfp4, mxfp8).
+SCALE_LAYOUTS: tuple[str, ...] = ("linear", "swizzled_128x4")
+
+
+@dataclass(frozen=True, slots=True)
+class RMSNorm:
+    """RMSNorm parameters: ``y = x * rsqrt(mean(x**2) + eps) * (weight_offset + weight)``.
+
+    ``weight_offset=0.0`` is the plain (Llama) norm, ``1.0`` the Gemma / Qwen3.5 norm that stores
+    ``weight - 1``.
+    """
+
+    eps: float = 1e-6
+    weight_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        from arnorm._errors import InvalidInputError
+
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0 and self.eps < float("inf")):
+            msg = f"eps: {self.eps!r} (needs a positive finite float)"
+            raise InvalidInputError(msg)
+        if not (isinstance(self.weight_offset, (int, float)) and abs(self.weight_offset) < float("inf")):
+            msg = f"weight_offset: {self.weight_offset!r} (needs a finite float, 0.0 plain or 1.0 Gemma)"
+            raise InvalidInputError(msg)
+
+    @property
+    def kind(self) -> str:
+        """``"plain"`` for offset 0, ``"gemma"`` for offset 1, else ``"offset=<b>"``."""
+        if self.weight_offset == 0.0:
+            return "plain"
+        if self.weight_offset == 1.0:
+            return "gemma"
+        return f"offset={self.weight_offset:g}"
+
+
+class QuantizedActivation(NamedTuple):
+    """A quantized activation and what is needed to read it back.
+
+    ``data``: codes (``float8_e4m3fn`` ``[T, H]`` for the fp8 formats and mxfp8, ``uint8``
+    ``[T, H/2]`` for nvfp4, two e2m1 codes per byte, low nibble first).
+    ``scale``: fp8_static: the fp32 ``[1]`` dequant scale that was passed in; fp8_per_token: fp32
+    ``[T, 1]``; nvfp4: e4m3 block scales (``float8_e4m3fn``); mxfp8: E8M0 exponents (``uint8``); the
+    block scales in ``layout``.
+    ``global_scale``: nvfp4 only, the fp32 ``[1]`` encode scale that was passed in.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    format: str
+    layout: str | None = None
+    global_scale: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """Decode to fp32 ``[T, H]`` (exact: every code and scale is representable in fp32)."""
+        from arnorm.quant import dequantize
+
+        return dequantize(self)
+
+
+class Output(NamedTuple):
+    """What an ``AllReduceNorm`` call returns.
+
+    ``normed``: ``[T, H]`` in the op's dtype, or ``None`` when the op was built with
+    ``normed_output=False``. ``residual``: ``[T, H]`` = ``all_reduce(hidden_states) + residual``
+    (it *is* ``hidden_states`` when the op is in place). ``quant``: the quantized ``normed`` or
+    ``None``.
+    """
+
+    normed: torch.Tensor | None
+    residual: torch.Tensor
+    quant: QuantizedActivation | None = None
