@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from arnorm._reference import SPEC_CAPABILITIES
+from arnorm._capabilities import Capabilities
 from arnorm._spec import BackendSpec, hookimpl
 
 __all__ = ["arnorm_backends"]
@@ -14,7 +14,10 @@ def arnorm_backends() -> list[BackendSpec]:
         BackendSpec(
             name="reference",
             priority=0,
-            capabilities=SPEC_CAPABILITIES,
+            capabilities=Capabilities(
+                platforms=frozenset({"cpu", "cuda", "rocm"}),
+                quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+            ),
             loader="arnorm._reference:ReferenceBackend",
             requires=("torch",),
             distribution="arnorm",

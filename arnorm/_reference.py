@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from arnorm._capabilities import Capabilities
 from arnorm._types import Output, QuantizedActivation
 
 if TYPE_CHECKING:
@@ -107,8 +106,3 @@ class ReferenceBackend:
     def close(self) -> None:
         return None
 
-
-SPEC_CAPABILITIES = Capabilities(
-    platforms=frozenset({"cpu", "cuda", "rocm"}),
-    quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
-)

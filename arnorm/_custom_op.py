@@ -1,0 +1,175 @@
+"""``torch.ops.arnorm.*``: the op as torch custom ops with fake implementations.
+
+``torch.compile`` cannot trace into backends (IPC workspaces, Triton launches, collectives), so a
+compiled model reaches the op through two opaque custom ops; the op object itself travels as an
+integer handle. ``all_reduce_norm_`` mutates ``hidden_states`` (in-place ops) and returns the other
+outputs; ``all_reduce_norm`` mutates nothing and returns the new residual first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from arnorm._types import Output, QuantizedActivation
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["call_custom_op", "register_handle", "unregister_handle"]
+
+_ops: dict[int, weakref.ReferenceType[Any]] = {}
+_ids = itertools.count(1)
+_lock = threading.Lock()
+_defined = False
+
+
+def register_handle(op: object) -> int:
+    """A process-unique integer standing for ``op`` inside compiled graphs."""
+    handle = next(_ids)
+    _ops[handle] = weakref.ref(op)
+    _define_ops()
+    return handle
+
+
+def unregister_handle(handle: int) -> None:
+    _ops.pop(handle, None)
+
+
+def _lookup(handle: int) -> Any:
+    ref = _ops.get(handle)
+    op = ref() if ref is not None else None
+    if op is None:
+        msg = f"handle: {handle} (needs a live arnorm.AllReduceNorm; this one was closed or collected)"
+        raise RuntimeError(msg)
+    return op
+
+
+def _round_up(x: Any, m: int) -> Any:
+    return (x + m - 1) // m * m
+
+
+def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
+    import torch
+
+    p = op._problem
+    h = p.hidden_size
+    if p.quant is None:
+        return []
+    if p.quant == "fp8_static":
+        return [torch.empty((t, h), dtype=torch.float8_e4m3fn, device=device)]
+    if p.quant == "fp8_per_token":
+        return [
+            torch.empty((t, h), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((t, 1), dtype=torch.float32, device=device),
+        ]
+    block, data_shape, data_dtype, scale_dtype = {
+        "nvfp4": (16, (t, h // 2), torch.uint8, torch.float8_e4m3fn),
+        "mxfp8": (32, (t, h), torch.float8_e4m3fn, torch.uint8),
+    }[p.quant]
+    cols = h // block
+    shape = (t, cols) if p.scale_layout == "linear" else (_round_up(t, 128), _round_up(cols, 4))
+    return [
+        torch.empty(data_shape, dtype=data_dtype, device=device),
+        torch.empty(shape, dtype=scale_dtype, device=device),
+    ]
+
+
+def _fake_outputs(op: Any, hidden_states: torch.Tensor, with_residual: bool) -> list[torch.Tensor]:
+    import torch
+
+    out = [torch.empty_like(hidden_states)] if with_residual else []
+    if op._problem.normed_output:
+        out.append(torch.empty_like(hidden_states))
+    return out + _fake_quant(op, hidden_states.shape[0], hidden_states.device)
+
+
+def _flatten(out: Output, with_residual: bool) -> list[torch.Tensor]:
+    flat = [out.residual] if with_residual else []
+    if out.normed is not None:
+        flat.append(out.normed)
+    q = out.quant
+    if q is not None:
+        flat.append(q.data)
+        if q.format in ("fp8_per_token", "nvfp4", "mxfp8"):  # fp8_static's scale is the caller's tensor
+            flat.append(q.scale)
+    return flat
+
+
+def _unflatten(op: Any, residual: torch.Tensor, rest: list[torch.Tensor], scale: Any) -> Output:
+    p = op._problem
+    i = 0
+    normed = None
+    if p.normed_output:
+        normed, i = rest[0], 1
+    quant = None
+    if p.quant == "fp8_static":
+        quant = QuantizedActivation(rest[i], scale, p.quant, None)
+    elif p.quant == "fp8_per_token":
+        quant = QuantizedActivation(rest[i], rest[i + 1], p.quant, None)
+    elif p.quant is not None:
+        quant = QuantizedActivation(rest[i], rest[i + 1], p.quant, p.scale_layout, scale if p.quant == "nvfp4" else None)
+    return Output(normed, residual, quant)
+
+
+def _define_ops() -> None:
+    global _defined
+    with _lock:
+        if _defined:
+            return
+        import torch
+
+        # Explicit schemas: annotations here are strings (future import) that infer_schema cannot evaluate.
+        @torch.library.custom_op(
+            "arnorm::all_reduce_norm_",
+            mutates_args=("hidden_states",),
+            schema="(int handle, Tensor(a!) hidden_states, Tensor residual, Tensor weight, Tensor? scale) -> Tensor[]",
+        )
+        def all_reduce_norm_(
+            handle: int,
+            hidden_states: torch.Tensor,
+            residual: torch.Tensor,
+            weight: torch.Tensor,
+            scale: torch.Tensor | None,
+        ) -> list[torch.Tensor]:
+            out = _lookup(handle)._call(hidden_states, residual, weight, scale)
+            return [t.clone() if t is hidden_states else t for t in _flatten(out, False)]
+
+        @all_reduce_norm_.register_fake
+        def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
+            return _fake_outputs(_lookup(handle), hidden_states, False)
+
+        @torch.library.custom_op(
+            "arnorm::all_reduce_norm",
+            mutates_args=(),
+            schema="(int handle, Tensor hidden_states, Tensor residual, Tensor weight, Tensor? scale) -> Tensor[]",
+        )
+        def all_reduce_norm(
+            handle: int,
+            hidden_states: torch.Tensor,
+            residual: torch.Tensor,
+            weight: torch.Tensor,
+            scale: torch.Tensor | None,
+        ) -> list[torch.Tensor]:
+            return _flatten(_lookup(handle)._call(hidden_states, residual, weight, scale), True)
+
+        @all_reduce_norm.register_fake
+        def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
+            return _fake_outputs(_lookup(handle), hidden_states, True)
+
+        _defined = True
+
+
+def call_custom_op(
+    op: Any, handle: int, hidden_states: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: Any
+) -> Output:
+    """The compiled-graph path of ``AllReduceNorm.__call__``."""
+    import torch
+
+    if op._problem.inplace:
+        rest = torch.ops.arnorm.all_reduce_norm_(handle, hidden_states, residual, weight, scale)
+        return _unflatten(op, hidden_states, rest, scale)
+    flat = torch.ops.arnorm.all_reduce_norm(handle, hidden_states, residual, weight, scale)
+    return _unflatten(op, flat[0], flat[1:], scale)

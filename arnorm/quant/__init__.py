@@ -1,0 +1,114 @@
+"""The quantization formats of arnorm, bit for bit: ``fp8_static``, ``fp8_per_token``, ``nvfp4``, ``mxfp8``.
+
+These pure-torch functions *define* step 4 of the numerics contract (``q = Q(y)``, ``y`` the
+dtype-rounded normed activation): the reference backend calls them and every backend we compile
+is compared with them bitwise. They are vectorized, run on any device, and the fp8 paths never
+sync with the host. ``docs/numerics.md`` states each rule and how production kernels compare.
+
+>>> import torch
+>>> from arnorm import quant
+>>> y = torch.tensor([[1.0, -2.0, 500.0, 0.1]])
+>>> q = quant.quantize(y, "fp8_static", scale=torch.tensor([1.0]))
+>>> q.dequantize().tolist()  # 500 saturates to 448; 0.1 rounds to 13 * 2**-7
+[[1.0, -2.0, 448.0, 0.1015625]]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arnorm._errors import InvalidInputError
+from arnorm._types import QuantizedActivation
+from arnorm.quant._fp8 import dequantize_fp8, quantize_fp8_per_token, quantize_fp8_static
+from arnorm.quant._layout import swizzle_128x4, unswizzle_128x4
+from arnorm.quant._mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from arnorm.quant._nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from arnorm.quant._validate import (
+    BLOCK_SIZES,
+    FORMATS,
+    LAYOUTS,
+    check_format,
+    check_input,
+    check_scale,
+    default_layout,
+)
+
+__all__ = [
+    "FORMATS",
+    "LAYOUTS",
+    "check_format",
+    "check_scale",
+    "default_layout",
+    "dequantize",
+    "quantize",
+    "swizzle_128x4",
+    "unswizzle_128x4",
+]
+
+
+def quantize(
+    y: torch.Tensor,
+    format: str,
+    *,
+    scale: torch.Tensor | None = None,
+    layout: str | None = None,
+) -> QuantizedActivation:
+    """Quantize the normed activation ``y`` (``[T, H]``, bf16 / fp16 / fp32, any device) into ``format``.
+
+    ``scale``: fp8_static: the fp32 ``[1]`` dequant scale; nvfp4: the fp32 ``[1]`` global encode
+    scale (``448 * 6 / amax``); ``None`` for fp8_per_token and mxfp8. ``layout``: the block-scale
+    layout of nvfp4 (default ``swizzled_128x4``) and mxfp8 (default ``linear``); ``None`` for fp8.
+    Raises :class:`arnorm.InvalidInputError` (a ``ValueError``) for a bad argument.
+    """
+    y = check_input(y)
+    resolved = check_format(format, layout, int(y.shape[1]))
+    check_scale(format, scale, y.device)
+    if format == "fp8_static":
+        assert scale is not None
+        return QuantizedActivation(quantize_fp8_static(y, scale), scale, format)
+    if format == "fp8_per_token":
+        data, token_scale = quantize_fp8_per_token(y)
+        return QuantizedActivation(data, token_scale, format)
+    assert resolved is not None
+    if format == "nvfp4":
+        assert scale is not None
+        packed, block_scales = quantize_nvfp4(y, scale, resolved)
+        return QuantizedActivation(packed, block_scales, format, resolved, scale)
+    data, exponents = quantize_mxfp8(y, resolved)
+    return QuantizedActivation(data, exponents, format, resolved)
+
+
+def _check_quantized(q: QuantizedActivation) -> None:
+    if not isinstance(q, QuantizedActivation):
+        raise InvalidInputError(f"q: {type(q).__name__} (needs an arnorm.QuantizedActivation)")
+    fmt = q.format
+    default_layout(fmt)  # checks the name
+    if fmt in BLOCK_SIZES and q.layout is None:
+        raise InvalidInputError(f"layout: None (needs linear or swizzled_128x4 for {fmt})")
+    data_dtype = torch.uint8 if fmt == "nvfp4" else torch.float8_e4m3fn
+    data = q.data
+    if not isinstance(data, torch.Tensor) or data.dtype != data_dtype or data.dim() != 2:
+        found = f"dtype {data.dtype} shape {list(data.shape)}" if isinstance(data, torch.Tensor) else "?"
+        raise InvalidInputError(f"data: {found} (needs a 2-D {data_dtype} tensor for {fmt})")
+    rows, hidden = int(data.shape[0]), int(data.shape[1]) * (2 if fmt == "nvfp4" else 1)
+    check_format(fmt, q.layout, hidden)
+    if fmt == "fp8_per_token" and tuple(q.scale.shape) != (rows, 1):
+        raise InvalidInputError(f"scale: shape {list(q.scale.shape)} (needs [{rows}, 1] for fp8_per_token)")
+    if fmt == "fp8_static":
+        check_scale(fmt, q.scale, data.device)
+    if fmt == "nvfp4":
+        check_scale(fmt, q.global_scale, data.device)
+
+
+def dequantize(q: QuantizedActivation) -> torch.Tensor:
+    """Decode ``q`` to fp32 ``[T, H]``: ``code * scale`` with the format's scale; swizzled scales are
+    unswizzled with ``T = q.data.shape[0]``. fp8 and mxfp8 decode exactly except for the one fp32
+    product of fp8 codes with an fp32 scale; nvfp4 is ``e2m1 * fp32(SF) / global_scale``.
+    """
+    _check_quantized(q)
+    if q.format in ("fp8_static", "fp8_per_token"):
+        return dequantize_fp8(q.data, q.scale)
+    if q.format == "nvfp4":
+        assert q.global_scale is not None
+        return dequantize_nvfp4(q.data, q.scale, q.global_scale, q.layout)
+    return dequantize_mxfp8(q.data, q.scale, q.layout)

@@ -1,0 +1,176 @@
+"""Bit-exact conversions for the fused kernel, correct on a GPU and in the Triton interpreter.
+
+The interpreter (Triton 3.6 to 3.9, ``TRITON_INTERPRET=1``) gets three conversions wrong
+(research/feasibility.md, section 2): fp32 -> bf16 truncates instead of rounding to nearest even,
+fp32 -> float8_e4m3fn rounds ties away from zero and loses a factor of two on mantissa carry, and
+bf16 -> fp32 mis-decodes subnormals. Every such conversion in the kernel goes through this module:
+
+- ``SOFT=False``: the hardware conversion (``cvt.rn.bf16.f32``, ``cvt.rn.satfinite.e4m3x2.f32``).
+- ``SOFT=True``: round to nearest even in integer arithmetic on the fp32 bit pattern. Exact
+  everywhere; the backend turns it on in the interpreter, and for fp8 also where the GPU has no
+  e4m3 conversion (CUDA before SM 8.9, ROCm, whose ``float8e4nv`` support varies).
+
+The rest (e4m3 decode, e2m1 codes, the E8M0 round-up) are integer or comparison arithmetic on
+both paths: they are exact by construction and cost nothing next to the memory traffic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "E4M3_MAX",
+    "e2m1_code",
+    "e4m3_bits",
+    "e4m3_decode",
+    "satfinite_e4m3",
+    "to_dtype_rne",
+    "to_fp32",
+    "ue8m0_round_up",
+    "ue8m0_to_inv_scale",
+]
+
+#: Largest finite float8_e4m3fn value.
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def to_fp32(x, SOFT: tl.constexpr):
+    """Widen ``x`` (bf16, fp16 or fp32) to fp32 exactly.
+
+    bf16 is the high half of an fp32 bit pattern, so the soft path shifts the bits into place
+    (the interpreter mis-decodes bf16 subnormals); fp16 and fp32 widen through the normal cast.
+    """
+    if SOFT:
+        if x.dtype == tl.bfloat16:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16, round to nearest even on the bit pattern; every NaN becomes 0x7FC0 (as torch)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+    rounded = tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
+    return rounded.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def satfinite_e4m3(x):
+    """Clamp to [-448, 448]; NaN stays NaN (comparisons with NaN are false, unlike min/max)."""
+    return tl.where(x > E4M3_MAX, E4M3_MAX, tl.where(x < -E4M3_MAX, -E4M3_MAX, x))
+
+
+@triton.jit
+def _e4m3_rne_bits(x):
+    """fp32 in [-448, 448] or NaN -> float8_e4m3fn code as uint8, round to nearest even.
+
+    Normal range (|x| >= 2**-6): add the RNE bias below the 3 kept mantissa bits, shift, rebias the
+    exponent by 127 - 7 = 120 (a mantissa carry moves into the exponent, as it should).
+    Subnormals are multiples of 2**-9: ``|x| * 512 + 2**23`` rounds to an integer k (0..8) in the
+    fp32 adder itself, and k is the code (k = 8 is the smallest normal, 0x08). NaN -> 0x7F.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    absb = bits & 0x7FFFFFFF
+    normal = ((absb + 0x7FFFF + ((absb >> 20) & 1)) >> 20) - (120 << 3)
+    sub = (tl.abs(x) * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
+    code = tl.where((absb >> 23) >= 121, normal, sub)
+    code = tl.where(x != x, 0x7F, code) | sign
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def to_dtype_rne(x, DTYPE: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 ``x`` -> ``DTYPE`` (bf16, fp16, fp32 or float8e4nv), round to nearest even.
+
+    float8e4nv saturates to +-448 first (``satfinite``: torch's own cast would give NaN above
+    448, every kernel in the wild saturates); NaN stays NaN. ``SOFT`` selects integer-bit
+    rounding for bf16 and e4m3 (exact in the interpreter); fp16 and fp32 are exact either way.
+    """
+    if DTYPE == tl.float32:
+        return x
+    elif DTYPE == tl.float8e4nv:
+        if SOFT:
+            return _e4m3_rne_bits(satfinite_e4m3(x)).to(tl.float8e4nv, bitcast=True)
+        else:
+            return satfinite_e4m3(x).to(tl.float8e4nv)
+    elif DTYPE == tl.bfloat16:
+        if SOFT:
+            return _bf16_rne(x)
+        else:
+            return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    else:
+        return x.to(DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def e4m3_bits(x, SOFT: tl.constexpr):
+    """fp32 -> saturated float8_e4m3fn code as uint8 (what the kernel stores).
+
+    The soft path never names the fp8 type, so it also compiles where Triton has no float8e4nv.
+    """
+    if SOFT:
+        return _e4m3_rne_bits(satfinite_e4m3(x))
+    else:
+        return to_dtype_rne(x, tl.float8e4nv, False).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def e4m3_decode(code):
+    """Non-negative, non-NaN float8_e4m3fn code (uint8) -> its exact fp32 value.
+
+    Normal: exponent field e (1..15) rebiased by +120, the 3 mantissa bits placed on top of fp32's
+    23; subnormal (e = 0): m * 2**-9.
+    """
+    c = code.to(tl.uint32)
+    e = (c >> 3) & 0xF
+    m = c & 0x7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    return tl.where(e == 0, sub, normal)
+
+
+@triton.jit
+def e2m1_code(v):
+    """fp32 -> e2m1 code (uint8, 0..15), round to nearest even onto {0, .5, 1, 1.5, 2, 3, 4, 6},
+    saturating at 6; the sign bit is set for negative inputs (so -0.1 gives -0, 0x8).
+
+    Each threshold is a midpoint; ``>`` sends its tie down and ``>=`` up, to the even code.
+    """
+    a = tl.abs(v)
+    idx = (a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
+    idx += (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
+    idx += (a > 5.0).to(tl.uint8)
+    return idx | ((v < 0).to(tl.uint8) << 3)
+
+
+@triton.jit
+def ue8m0_round_up(p):
+    """Non-negative fp32 ``p`` -> biased E8M0 exponent (uint32) of the smallest power of two >= p.
+
+    Normal p: the exponent field, plus one when any mantissa bit is set. Subnormal p: 2**-127
+    (code 0) when p <= 2**-127, else 2**-126 (code 1); p = 0 gives 0. Saturates at 254 (255 is
+    E8M0's NaN), which also catches inf and NaN.
+    """
+    bits = p.to(tl.uint32, bitcast=True)
+    exp = bits >> 23
+    man = bits & 0x7FFFFF
+    normal = exp + (man != 0).to(tl.uint32)
+    sub = (man > 0x400000).to(tl.uint32)
+    e = tl.where(exp == 0, sub, normal)
+    return tl.minimum(e, 254)
+
+
+@triton.jit
+def ue8m0_to_inv_scale(e):
+    """Biased E8M0 exponent e (0..254, uint32) -> 2**(127 - e) as fp32, exactly.
+
+    The biased fp32 exponent is 254 - e; e = 254 gives 2**-127, an fp32 subnormal (0x00400000).
+    """
+    return tl.where(e < 254, (254 - e) << 23, 0x400000).to(tl.float32, bitcast=True)

@@ -1,0 +1,99 @@
+"""Small in-test backends and a registry holding them, for selection tests without real plugins."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from arnorm._discovery import Registry, reset_registry
+from arnorm._reference import ReferenceBackend
+from arnorm.plugin import BackendSpec, Capabilities, Output, add_rmsnorm, quantize_output
+
+CPU_ANY = Capabilities(platforms=frozenset({"cpu", "cuda"}))
+
+
+class AllReduceBackend:
+    """all_reduce in fp32, then the reference math; serves at most ``limit`` tokens."""
+
+    name: ClassVar[str] = "fast"
+    limit: ClassVar[int | None] = None
+    fail_setup_on_rank: ClassVar[int | None] = None
+    probe_reasons: ClassVar[tuple[str, ...]] = ()
+    closed: ClassVar[list[str]] = []
+
+    def __init__(self, problem, comm):
+        self.problem, self.comm = problem, comm
+
+    @classmethod
+    def probe(cls, problem):
+        return cls.probe_reasons
+
+    @classmethod
+    def create(cls, problem, comm, config):
+        if cls.fail_setup_on_rank == comm.rank:
+            raise RuntimeError("workspace allocation failed")
+        return cls(problem, comm)
+
+    def check_tokens(self, num_tokens):
+        if self.limit is not None and num_tokens > self.limit:
+            return (f"tokens: {num_tokens} (needs <= {self.limit}, the workspace budget)",)
+        return ()
+
+    def __call__(self, hidden_states, residual, weight, scale):
+        p = self.problem
+        s = self.comm.all_reduce_(hidden_states.float()).to(hidden_states.dtype)
+        h, y = add_rmsnorm(s, residual, weight, p.eps, p.weight_offset)
+        q = quantize_output(y, p.quant, scale, p.scale_layout)
+        if p.inplace:
+            h = hidden_states.copy_(h)
+        return Output(y if p.normed_output else None, h, q)
+
+    def close(self):
+        type(self).closed.append(self.name)
+
+
+class SmallBackend(AllReduceBackend):
+    name: ClassVar[str] = "small"
+    limit: ClassVar[int | None] = 4
+
+
+class FailingSetupBackend(AllReduceBackend):
+    name: ClassVar[str] = "flaky"
+    fail_setup_on_rank: ClassVar[int | None] = 1
+
+
+class ProbeRejectsBackend(AllReduceBackend):
+    name: ClassVar[str] = "picky"
+    probe_reasons: ClassVar[tuple[str, ...]] = ("topology: no NVLink (needs P2P access between the GPUs)",)
+
+
+def spec(name: str, priority: int, cls: str, caps: Capabilities = CPU_ANY, **kw) -> BackendSpec:
+    return BackendSpec(name=name, priority=priority, capabilities=caps, loader=f"fake_backends:{cls}", **kw)
+
+
+REFERENCE = BackendSpec(
+    name="reference",
+    priority=0,
+    capabilities=Capabilities(
+        platforms=frozenset({"cpu", "cuda", "rocm"}),
+        quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+    ),
+    loader="arnorm._reference:ReferenceBackend",
+)
+assert ReferenceBackend.name == REFERENCE.name
+
+
+def install(*specs: BackendSpec) -> Registry:
+    """Make ``specs`` (plus the reference) the process registry; returns it."""
+    reg = Registry()
+    reg.add(REFERENCE, plugin="arnorm")
+    for s in specs:
+        reg.add(s, plugin="tests")
+    reset_registry(reg)
+    return reg
+
+
+def install_default() -> Registry:
+    """reference + fast (50) + small (60): what the multi-rank tests use."""
+    return install(spec("fast", 50, "AllReduceBackend"), spec("small", 60, "SmallBackend"))

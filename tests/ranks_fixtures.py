@@ -1,0 +1,81 @@
+"""Module-level functions that spawned ranks run (they must be importable by name)."""
+
+from __future__ import annotations
+
+import torch
+
+import arnorm
+from arnorm._reference import add_rmsnorm, rank_order_sum
+
+
+def make_inputs(rank: int, world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+    """This rank's partial, plus the residual and weight every rank shares."""
+    g = torch.Generator().manual_seed(seed)
+    partials = [torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(world)]
+    residual = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weight = (torch.randn(hidden, generator=g) * 0.1).to(dtype)
+    return partials, residual, weight
+
+
+def reference_matches(rank: int, world: int, tokens: int, hidden: int, quant: str | None, backend: str | None):
+    """Run the op once; return (chosen backend, residual bitwise ok, normed bitwise ok)."""
+    dtype = torch.bfloat16
+    partials, residual, weight = make_inputs(rank, world, tokens, hidden, dtype)
+    scale = torch.tensor([0.05]) if quant in ("fp8_static", "nvfp4") else None
+    with arnorm.AllReduceNorm(
+        hidden_size=hidden, dtype=dtype, norm=arnorm.RMSNorm(1e-6, 1.0), quant=quant, backend=backend,
+        max_tokens=64,
+    ) as op:
+        x = partials[rank].clone()
+        out = op(x, residual, weight, scale)
+        h, y = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 1.0)
+        return op.backend, torch.equal(out.residual, h), torch.equal(out.normed, y), out.residual is x
+
+
+def choice_under_env(rank: int, world: int):
+    """Build an op in auto mode and report the chosen backend and the explanation text."""
+    import fake_backends
+
+    fake_backends.install_default()
+    op = arnorm.AllReduceNorm(hidden_size=32, dtype=torch.float32, max_tokens=8)
+    try:
+        return op.backend, str(op.explain())
+    finally:
+        op.close()
+
+
+def error_under_env(rank: int, world: int, backend: str | None):
+    """Build an op that must fail; return the exception type name and message."""
+    import fake_backends
+
+    fake_backends.install(fake_backends.spec("flaky", 70, "FailingSetupBackend"))
+    try:
+        arnorm.AllReduceNorm(hidden_size=32, dtype=torch.float32, max_tokens=8, backend=backend)
+    except arnorm.ArnormError as exc:
+        return type(exc).__name__, str(exc)
+    return None, ""
+
+
+def mismatched_hidden(rank: int, world: int):
+    """Ranks pass different hidden sizes: every rank must raise the same error."""
+    try:
+        arnorm.AllReduceNorm(hidden_size=32 + 32 * rank, dtype=torch.float32, max_tokens=8)
+    except arnorm.InvalidInputError as exc:
+        return str(exc)
+    return "no error"
+
+
+def bad_call_then_good(rank: int, world: int):
+    """A rejected call leaves the op usable: the next valid call runs the collective fine."""
+    partials, residual, weight = make_inputs(rank, world, 4, 32, torch.float32)
+    op = arnorm.AllReduceNorm(hidden_size=32, dtype=torch.float32, max_tokens=8)
+    messages = []
+    for bad in (partials[rank][:, :16], partials[rank].double(), partials[rank].t()):
+        try:
+            op(bad, residual, weight)
+        except arnorm.InvalidInputError as exc:
+            messages.append(str(exc))
+    out = op(partials[rank].clone(), residual, weight)
+    h, _ = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 0.0)
+    op.close()
+    return messages, torch.equal(out.residual, h)

@@ -1,0 +1,98 @@
+"""Plugin discovery through entry points: cheap descriptors, broken and missing plugins."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import arnorm
+from arnorm._discovery import ArnormWarning, Registry
+from arnorm.plugin import BackendSpec, Capabilities
+
+
+def test_reference_registers_through_its_entry_point():
+    """The in-tree reference backend is found like any plugin, with its version."""
+    info = {i.name: i for i in arnorm.backends()}["reference"]
+    assert info.status == "available" and info.priority == 0 and info.version == arnorm.__version__
+
+
+def test_missing_requirement_is_not_installed_with_the_fix():
+    """A spec whose module is absent is 'not installed' and names the pip command."""
+    reg = Registry()
+    reg.add(BackendSpec(name="gone", priority=5, capabilities=Capabilities(platforms={"cuda"}),
+                        loader="nowhere:X", requires=("no_such_module_xyz",), extra="gone"))
+    info = reg.get("gone")
+    assert info.status == "not installed"
+    assert info.reason == "not installed: no_such_module_xyz (needs pip install 'arnorm[gone]')"
+
+
+def test_hook_that_raises_is_broken_and_warns():
+    """A plugin hook that raises is listed as broken with its exception; the rest survive."""
+    reg = Registry()
+
+    def bad_hook():
+        raise RuntimeError("boom")
+
+    with pytest.warns(ArnormWarning, match="boom"):
+        reg.add_from_hook("badplugin", bad_hook)
+    assert reg.get("badplugin").status == "broken"
+    assert reg.get("badplugin").reason == "plugin: RuntimeError: boom (needs a working install)"
+
+
+def test_hook_returning_garbage_is_broken():
+    """A hook must return BackendSpec objects; anything else marks the plugin broken."""
+    reg = Registry()
+    with pytest.warns(ArnormWarning):
+        reg.add_from_hook("odd", lambda: ["not a spec"])
+    assert reg.get("odd").status == "broken"
+
+
+def test_duplicate_name_is_reported_not_replaced():
+    """A second backend claiming a taken name is broken; the first keeps the name."""
+    reg = Registry()
+    spec = BackendSpec(name="dup", priority=1, capabilities=Capabilities(platforms={"cpu"}), loader="a:B")
+    reg.add(spec, plugin="first")
+    with pytest.warns(ArnormWarning, match="already registered"):
+        reg.add(spec, plugin="second")
+    assert reg.get("dup").plugin == "first"
+
+
+def test_loading_is_lazy():
+    """Discovery never imports a backend's implementation module."""
+    code = (
+        "import sys, arnorm\n"
+        "arnorm.backends()\n"
+        "print([m for m in sys.modules if m.startswith(('torch', 'triton', 'flashinfer', 'arnorm._reference'))])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_broken_distribution_on_sys_path_does_not_break_the_core(tmp_path):
+    """An installed distribution whose entry point raises on import is listed as broken, loudly."""
+    dist = tmp_path / "broken_arnorm_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-arnorm-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[arnorm.backends]\nbroken = broken_arnorm_plugin_mod\n")
+    (tmp_path / "broken_arnorm_plugin_mod.py").write_text("raise ImportError('compiled for another torch')\n")
+    code = textwrap.dedent(
+        """
+        import warnings, torch, arnorm
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            infos = {i.name: i for i in arnorm.backends()}
+        print(infos["broken"].status, "|", infos["broken"].reason, "|", len(w))
+        op = arnorm.AllReduceNorm(hidden_size=16, dtype=torch.float32, max_tokens=4)
+        print(op.backend)
+        """
+    )
+    env = {"PYTHONPATH": str(tmp_path)}
+    import os
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}).stdout.splitlines()
+    assert out[0] == "broken | plugin: ImportError: compiled for another torch (needs a working install) | 1"
+    assert out[1] == "reference"

@@ -1,0 +1,79 @@
+"""The reference math against an independent float64 computation of the contract."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arnorm._reference import add_rmsnorm, rank_order_sum
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between same-dtype tensors (sign-magnitude order)."""
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    ia, ib = a.view(bits).long(), b.view(bits).long()
+    top = 1 << (a.element_size() * 8 - 1)
+    ia = torch.where(ia < 0, -(ia + top), ia)
+    ib = torch.where(ib < 0, -(ib + top), ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def float64_contract(parts, residual, weight, eps, offset):
+    """Steps 1-3 in float64, rounding to D exactly where the contract rounds."""
+    d = parts[0].dtype
+    s = sum(p.double() for p in parts).to(d)
+    h = (s.double() + residual.double()).to(d)
+    hd = h.double()
+    y = (hd / torch.sqrt((hd * hd).mean(-1, keepdim=True) + eps) * (weight.double() + offset)).to(d)
+    return s, h, y
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(1, 4),
+    tokens=st.integers(1, 6),
+    hidden=st.sampled_from([8, 64, 256, 1000]),
+    dtype=st.sampled_from(DTYPES),
+    offset=st.sampled_from([0.0, 1.0]),
+    eps=st.sampled_from([1e-6, 1e-5]),
+    magnitude=st.sampled_from([1e-3, 1.0, 100.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_reference_matches_float64_contract(world, tokens, hidden, dtype, offset, eps, magnitude, seed):
+    """Residual is bitwise the float64 contract where the fp32 sum is exact; normed within 1 ulp of D."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [(torch.randn(tokens, hidden, generator=g) * magnitude).to(dtype) for _ in range(world)]
+    residual = (torch.randn(tokens, hidden, generator=g) * magnitude).to(dtype)
+    weight = (torch.randn(hidden, generator=g) * 0.2).to(dtype)
+    s64, h64, y64 = float64_contract(parts, residual, weight, eps, offset)
+    s = rank_order_sum(parts)
+    h, y = add_rmsnorm(s, residual, weight, eps, offset)
+    if dtype is not torch.float32:
+        # bf16/fp16 partials sum exactly in fp32 for up to 4 ranks at these magnitudes.
+        assert torch.equal(s, s64) and torch.equal(h, h64)
+    else:
+        assert ulp_diff(s, s64) <= world
+    h_ref, y_ref = float64_contract([s], residual, weight, eps, offset)[1:]
+    assert torch.equal(h, h_ref)
+    # In fp32 the computation has D's own precision (rsqrt, mean, two products each round), so
+    # the exact value is a few fp32 ulps away; bf16/fp16 outputs absorb that into one ulp.
+    assert ulp_diff(y, y_ref) <= (1 if dtype is not torch.float32 else 4)
+
+
+def test_rank_order_sum_rounds_once():
+    """Three bf16 partials are summed in fp32 then rounded once, not rounded per step."""
+    a = torch.tensor([1.0], dtype=torch.bfloat16)
+    tiny = torch.tensor([2.0**-9], dtype=torch.bfloat16)  # below half an ulp of 1.0 in bf16
+    assert rank_order_sum([a, tiny, tiny]).item() == 1.0078125  # 1 + 2**-8: two tinies survive in fp32
+    assert ((a + tiny) + tiny).item() == 1.0  # per-step bf16 rounding loses both
+
+
+def test_ulp_helper_counts_neighbours():
+    """The ulp helper sees adjacent representable values as 1 apart, across zero too."""
+    x = torch.tensor([1.0, -0.0], dtype=torch.bfloat16)
+    up = torch.tensor([1.0078125, 0.0], dtype=torch.bfloat16)
+    assert ulp_diff(x, up) == 1 and ulp_diff(x, x) == 0
+    assert ulp_diff(torch.tensor([-1e-40]), torch.tensor([1e-40])) > 1
