@@ -77,41 +77,44 @@ def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
     ]
 
 
-def _fake_outputs(op: Any, hidden_states: torch.Tensor, with_residual: bool) -> list[torch.Tensor]:
+def _fake_outputs(op: Any, hidden_states: torch.Tensor, with_residual: bool) -> tuple[torch.Tensor, ...]:
     import torch
 
-    out = [torch.empty_like(hidden_states)] if with_residual else []
-    if op._problem.normed_output:
-        out.append(torch.empty_like(hidden_states))
-    return out + _fake_quant(op, hidden_states.shape[0], hidden_states.device)
+    t = hidden_states.shape[0]
+    normed = torch.empty_like(hidden_states) if op._problem.normed_output else _placeholder(hidden_states)
+    q = _fake_quant(op, t, hidden_states.device) + [_placeholder(hidden_states), _placeholder(hidden_states)]
+    head = (torch.empty_like(hidden_states),) if with_residual else ()
+    return (*head, normed, q[0], q[1])
 
 
-def _flatten(out: Output, with_residual: bool) -> list[torch.Tensor]:
-    flat = [out.residual] if with_residual else []
-    if out.normed is not None:
-        flat.append(out.normed)
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    # The ops return a fixed tuple (torch cannot functionalize a mutating op returning Tensor[]):
+    # an absent output travels as an empty tensor.
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=like.device)
+
+
+def _flatten(out: Output, hidden_states: torch.Tensor, with_residual: bool) -> tuple[torch.Tensor, ...]:
     q = out.quant
-    if q is not None:
-        flat.append(q.data)
-        if q.format in ("fp8_per_token", "nvfp4", "mxfp8"):  # fp8_static's scale is the caller's tensor
-            flat.append(q.scale)
-    return flat
+    data = q.data if q is not None else _placeholder(hidden_states)
+    # fp8_static's scale is the caller's own tensor: an output may not alias an input.
+    scale = q.scale if q is not None and q.format != "fp8_static" else _placeholder(hidden_states)
+    normed = out.normed if out.normed is not None else _placeholder(hidden_states)
+    head = (out.residual,) if with_residual else ()
+    return (*head, normed, data, scale)
 
 
-def _unflatten(op: Any, residual: torch.Tensor, rest: list[torch.Tensor], scale: Any) -> Output:
+def _unflatten(op: Any, residual: torch.Tensor, normed: Any, data: Any, qscale: Any, scale: Any) -> Output:
     p = op._problem
-    i = 0
-    normed = None
-    if p.normed_output:
-        normed, i = rest[0], 1
     quant = None
     if p.quant == "fp8_static":
-        quant = QuantizedActivation(rest[i], scale, p.quant, None)
+        quant = QuantizedActivation(data, scale, p.quant, None)
     elif p.quant == "fp8_per_token":
-        quant = QuantizedActivation(rest[i], rest[i + 1], p.quant, None)
+        quant = QuantizedActivation(data, qscale, p.quant, None)
     elif p.quant is not None:
-        quant = QuantizedActivation(rest[i], rest[i + 1], p.quant, p.scale_layout, scale if p.quant == "nvfp4" else None)
-    return Output(normed, residual, quant)
+        quant = QuantizedActivation(data, qscale, p.quant, p.scale_layout, scale if p.quant == "nvfp4" else None)
+    return Output(normed if p.normed_output else None, residual, quant)
 
 
 def _define_ops() -> None:
@@ -125,7 +128,8 @@ def _define_ops() -> None:
         @torch.library.custom_op(
             "arnorm::all_reduce_norm_",
             mutates_args=("hidden_states",),
-            schema="(int handle, Tensor(a!) hidden_states, Tensor residual, Tensor weight, Tensor? scale) -> Tensor[]",
+            schema="(int handle, Tensor(a!) hidden_states, Tensor residual, Tensor weight, Tensor? scale)"
+            " -> (Tensor, Tensor, Tensor)",
         )
         def all_reduce_norm_(
             handle: int,
@@ -133,9 +137,8 @@ def _define_ops() -> None:
             residual: torch.Tensor,
             weight: torch.Tensor,
             scale: torch.Tensor | None,
-        ) -> list[torch.Tensor]:
-            out = _lookup(handle)._call(hidden_states, residual, weight, scale)
-            return [t.clone() if t is hidden_states else t for t in _flatten(out, False)]
+        ) -> tuple[torch.Tensor, ...]:
+            return _flatten(_lookup(handle)._call(hidden_states, residual, weight, scale), hidden_states, False)
 
         @all_reduce_norm_.register_fake
         def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
@@ -144,7 +147,8 @@ def _define_ops() -> None:
         @torch.library.custom_op(
             "arnorm::all_reduce_norm",
             mutates_args=(),
-            schema="(int handle, Tensor hidden_states, Tensor residual, Tensor weight, Tensor? scale) -> Tensor[]",
+            schema="(int handle, Tensor hidden_states, Tensor residual, Tensor weight, Tensor? scale)"
+            " -> (Tensor, Tensor, Tensor, Tensor)",
         )
         def all_reduce_norm(
             handle: int,
@@ -152,8 +156,8 @@ def _define_ops() -> None:
             residual: torch.Tensor,
             weight: torch.Tensor,
             scale: torch.Tensor | None,
-        ) -> list[torch.Tensor]:
-            return _flatten(_lookup(handle)._call(hidden_states, residual, weight, scale), True)
+        ) -> tuple[torch.Tensor, ...]:
+            return _flatten(_lookup(handle)._call(hidden_states, residual, weight, scale), hidden_states, True)
 
         @all_reduce_norm.register_fake
         def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
@@ -169,7 +173,7 @@ def call_custom_op(
     import torch
 
     if op._problem.inplace:
-        rest = torch.ops.arnorm.all_reduce_norm_(handle, hidden_states, residual, weight, scale)
-        return _unflatten(op, hidden_states, rest, scale)
-    flat = torch.ops.arnorm.all_reduce_norm(handle, hidden_states, residual, weight, scale)
-    return _unflatten(op, flat[0], flat[1:], scale)
+        normed, data, qscale = torch.ops.arnorm.all_reduce_norm_(handle, hidden_states, residual, weight, scale)
+        return _unflatten(op, hidden_states, normed, data, qscale, scale)
+    h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(handle, hidden_states, residual, weight, scale)
+    return _unflatten(op, h, normed, data, qscale, scale)

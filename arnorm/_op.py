@@ -230,12 +230,12 @@ class AllReduceNorm:
         if self._closed:
             raise InvalidInputError("op: closed (needs a new arnorm.AllReduceNorm)")
         skipped = []
-        for impl in self._chain:
+        for name, impl in zip(self._explanation.chain, self._chain):
             reasons = tuple(impl.check_tokens(num_tokens))
             if not reasons:
                 self._by_tokens[num_tokens] = impl
                 return impl
-            skipped.append(f"{impl.name}: " + "; ".join(reasons))
+            skipped.append(f"{name}: " + "; ".join(reasons))
         msg = f"tokens: {num_tokens} (no backend of this op serves it: {' | '.join(skipped)})"
         raise NoEligibleBackendError(msg)
 
@@ -254,11 +254,12 @@ class AllReduceNorm:
     @property
     def backend(self) -> str:
         """The selected backend (the one that serves every token count its budget allows)."""
-        return self._chain[0].name  # type: ignore[no-any-return]
+        return self._explanation.chain[0]
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens runs on."""
-        return self._dispatch(self._check_tokens_arg(num_tokens)).name  # type: ignore[no-any-return]
+        impl = self._dispatch(self._check_tokens_arg(num_tokens))
+        return self._explanation.chain[self._chain.index(impl)]
 
     def explain(self, num_tokens: int | None = None) -> Explanation:
         """Every backend's verdict; with ``num_tokens``, also which one serves it and why not the others."""
@@ -267,12 +268,12 @@ class AllReduceNorm:
         t = self._check_tokens_arg(num_tokens)
         skipped = []
         served = None
-        for impl in self._chain:
+        for name, impl in zip(self._explanation.chain, self._chain):
             reasons = tuple(impl.check_tokens(t))
             if not reasons:
-                served = impl.name
+                served = name
                 break
-            skipped.append((impl.name, reasons))
+            skipped.append((name, reasons))
         return dataclasses.replace(self._explanation, num_tokens=t, token_backend=served, token_reasons=tuple(skipped))
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -295,7 +296,7 @@ class AllReduceNorm:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "+".join(i.name for i in self._chain)
+        state = "closed" if self._closed else "+".join(self._explanation.chain)
         return f"AllReduceNorm({self._problem.short()}, backend={state})"
 
 

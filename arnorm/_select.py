@@ -169,6 +169,7 @@ def select(
     verdicts = _merge(comm.gather_objects(check_locally(problem, registry, pref)), pref)
     eligible = [v.backend for v in verdicts if v.is_eligible]
     chain: list[FusedAllReduceNorm] = []
+    names: list[str] = []
     failures: dict[str, tuple[str, ...]] = {}
     for name in eligible:
         spec = registry.get(name).spec  # type: ignore[union-attr]
@@ -187,9 +188,9 @@ def select(
             continue
         assert instance is not None
         chain.append(instance)
+        names.append(name)
         if not instance.check_tokens(problem.max_tokens):
             break
-    names = [c.name for c in chain]
     final = []
     for v in verdicts:
         if v.backend in failures:
