@@ -138,7 +138,7 @@ def _define_ops() -> None:
             weight: torch.Tensor,
             scale: torch.Tensor | None,
         ) -> tuple[torch.Tensor, ...]:
-            return _flatten(_lookup(handle)._call(hidden_states, residual, weight, scale), hidden_states, False)
+            return _flatten(_lookup(handle)(hidden_states, residual, weight, scale), hidden_states, False)
 
         @all_reduce_norm_.register_fake
         def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
@@ -157,7 +157,7 @@ def _define_ops() -> None:
             weight: torch.Tensor,
             scale: torch.Tensor | None,
         ) -> tuple[torch.Tensor, ...]:
-            return _flatten(_lookup(handle)._call(hidden_states, residual, weight, scale), hidden_states, True)
+            return _flatten(_lookup(handle)(hidden_states, residual, weight, scale), hidden_states, True)
 
         @all_reduce_norm.register_fake
         def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]

@@ -186,10 +186,7 @@ class AllReduceNorm:
         """
         if self._is_compiling():
             return call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
-        return self._call(hidden_states, residual, weight, scale)
-
-    def _call(self, hidden_states: Any, residual: Any, weight: Any, scale: Any) -> Output:
-        # One combined condition: a valid call pays ~15 attribute reads and nothing else;
+        # One frame and one combined condition: a valid call pays ~15 attribute reads and nothing else;
         # check_call builds the precise message only when something is off.
         try:
             shape = hidden_states.shape

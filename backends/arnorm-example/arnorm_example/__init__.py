@@ -1,0 +1,1 @@
+"""arnorm-example: a third-party backend written only against ``arnorm.plugin``."""

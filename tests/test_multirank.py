@@ -1,0 +1,54 @@
+"""Several gloo ranks on CPU: agreement, identical errors, the reference across ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+import ranks_fixtures as rf
+from arnorm.testing import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reference_across_ranks_is_bitwise_the_contract(world):
+    """Reference on 2 and 4 ranks: residual and normed equal the contract bit for bit on every rank."""
+    results = run_ranks(world, rf.reference_matches, 5, 64, None, "reference")
+    assert results == [("reference", True, True, True)] * world
+
+
+def test_ranks_disagreeing_on_disable_end_in_the_same_choice():
+    """One rank disables 'small': every rank skips it and picks the same next backend."""
+    envs = [{}, {"ARNORM_DISABLE": "small"}, {}, {}]
+    results = run_ranks(4, rf.choice_under_env, env=envs)
+    assert [r[0] for r in results] == ["fast"] * 4
+    assert len({r[1] for r in results}) == 1  # the same explanation text everywhere
+    assert "rank 1: disabled: listed in ARNORM_DISABLE" in results[0][1]
+
+
+def test_setup_failure_on_one_rank_falls_back_everywhere():
+    """A backend whose workspace fails on rank 1 is dropped on all ranks, with that rank's reason."""
+    results = run_ranks(2, rf.error_under_env, None)
+    assert results == [(None, "")] * 2
+
+
+def test_strict_setup_failure_raises_the_same_error_on_every_rank():
+    """Named strictly, a backend failing setup on one rank makes every rank raise the same error."""
+    results = run_ranks(2, rf.error_under_env, "flaky")
+    assert results[0] == results[1]
+    assert results[0][0] == "BackendSetupError"
+    assert "rank 1: setup: RuntimeError: workspace allocation failed" in results[0][1]
+
+
+def test_ranks_with_different_arguments_raise_the_same_error():
+    """Ranks building the op with different hidden sizes all raise, naming the field."""
+    results = run_ranks(2, rf.mismatched_hidden)
+    assert results[0] == results[1] and results[0].startswith("ranks disagree on hidden_size")
+
+
+def test_bad_call_on_every_rank_leaves_the_collective_usable():
+    """Bad calls raise before any collective; the next good call completes on both ranks."""
+    results = run_ranks(2, rf.bad_call_then_good)
+    assert results[0] == results[1]
+    messages, ok = results[0]
+    assert ok and len(messages) == 3
