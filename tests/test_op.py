@@ -244,3 +244,31 @@ def test_custom_op_passes_opcheck(clean_env):
     with make(inplace=False) as op:
         torch.library.opcheck(torch.ops.arnorm.all_reduce_norm.default, (op._handle, x, r, w, None),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_choice_is_logged_once_at_info(clean_env, caplog):
+    """Building an op logs the choice at INFO and each rejection at DEBUG."""
+    import logging
+
+    fake_backends.install(fake_backends.spec("picky", 90, "ProbeRejectsBackend"))
+    with caplog.at_level(logging.DEBUG, logger="arnorm"), make():
+        pass
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert info == ["arnorm: using reference for tp=1 hidden=32 float32 quant=none plain cpu (choice: auto)"]
+    assert debug == ["arnorm: picky rejected: topology: no NVLink (needs P2P access between the GPUs)"]
+
+
+@pytest.mark.parametrize("quant", ["fp8_static", "fp8_per_token", "nvfp4", "mxfp8"])
+def test_reference_serves_every_format_through_the_quantizers(clean_env, quant):
+    """Each format's output is exactly arnorm.quant applied to the op's own normed output."""
+    from arnorm.quant import quantize
+
+    x, r, w = inputs(t=3, h=64, dtype=torch.bfloat16)
+    scale = torch.tensor([0.05 if quant == "fp8_static" else 448 * 6 / 3.0]) if quant in ("fp8_static", "nvfp4") else None
+    with make(hidden_size=64, dtype=torch.bfloat16, quant=quant, backend="reference") as op:
+        out = op(x, r, w, scale)
+    expect = quantize(out.normed, quant, scale=scale, layout=op.problem.scale_layout)
+    assert out.quant.format == quant and out.quant.layout == expect.layout
+    assert torch.equal(out.quant.data.view(torch.uint8), expect.data.view(torch.uint8))
+    assert torch.equal(out.quant.scale.view(torch.uint8), expect.scale.view(torch.uint8))
