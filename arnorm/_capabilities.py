@@ -76,17 +76,13 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
     elif ws < caps.min_world_size:
         reasons.append(f"world size: {ws} (needs >= {caps.min_world_size})")
     if problem.platform == "cuda" and problem.arch is not None:
-        floor = caps.min_arch
-        fmt_floor = caps.quant_min_arch.get(problem.quant_name)
-        if fmt_floor is not None and (floor is None or fmt_floor > floor):
-            if problem.arch < fmt_floor:
-                reasons.append(
-                    f"compute capability: {_arch(problem.arch)} "
-                    f"(needs >= {_arch(fmt_floor)} for {problem.quant_name})"
-                )
-                floor = None
-        if floor is not None and problem.arch < floor:
-            reasons.append(f"compute capability: {_arch(problem.arch)} (needs >= {_arch(floor)})")
+        floors = [
+            (caps.min_arch, ""),
+            (caps.quant_min_arch.get(problem.quant_name), f" for {problem.quant_name}"),
+        ]
+        for floor, scope in floors:
+            if floor is not None and problem.arch < floor:
+                reasons.append(f"compute capability: {_arch(problem.arch)} (needs >= {_arch(floor)}{scope})")
     h = problem.hidden_size
     if h % caps.hidden_multiple:
         reasons.append(f"hidden size: {h} (needs a multiple of {caps.hidden_multiple})")

@@ -14,7 +14,9 @@ QUANTS = ("none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8")
 
 def _table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows
+    )
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -44,8 +46,22 @@ def _problem_from_args(args: argparse.Namespace) -> object:
     else:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     platform, arch, gfx = _platform(device)
-    return Problem(args.tp, args.hidden, args.dtype, args.eps, args.weight_offset, quant, layout, args.tokens,
-                   True, True, device.type, platform, arch, gfx)
+    return Problem(
+        args.tp,
+        args.hidden,
+        args.dtype,
+        args.eps,
+        args.weight_offset,
+        quant,
+        layout,
+        args.tokens,
+        True,
+        True,
+        device.type,
+        platform,
+        arch,
+        gfx,
+    )
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -93,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("doctor", help="python, torch, GPUs, peer access, backends").set_defaults(func=cmd_doctor)
 
-    demo = sub.add_parser("demo", help="a small TP decoder stack through AllReduceNorm, checked against torch")
+    demo = sub.add_parser(
+        "demo", help="a small TP decoder stack through AllReduceNorm, checked against torch"
+    )
     demo.add_argument("--tp", type=int, default=2)
     demo.add_argument("--layers", type=int, default=4)
     demo.add_argument("--tokens", type=int, default=16)
@@ -101,8 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quant", choices=QUANTS, default="fp8_static")
     demo.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     demo.add_argument("--backend", default=None)
-    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                      help="auto: NCCL on GPUs when at least --tp are present, else gloo on CPU")
+    demo.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: NCCL on GPUs when at least --tp are present, else gloo on CPU",
+    )
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -82,7 +82,7 @@ def _fake_outputs(op: Any, hidden_states: torch.Tensor, with_residual: bool) -> 
 
     t = hidden_states.shape[0]
     normed = torch.empty_like(hidden_states) if op._problem.normed_output else _placeholder(hidden_states)
-    q = _fake_quant(op, t, hidden_states.device) + [_placeholder(hidden_states), _placeholder(hidden_states)]
+    q = [*_fake_quant(op, t, hidden_states.device), _placeholder(hidden_states), _placeholder(hidden_states)]
     head = (torch.empty_like(hidden_states),) if with_residual else ()
     return (*head, normed, q[0], q[1])
 
@@ -113,7 +113,9 @@ def _unflatten(op: Any, residual: torch.Tensor, normed: Any, data: Any, qscale: 
     elif p.quant == "fp8_per_token":
         quant = QuantizedActivation(data, qscale, p.quant, None)
     elif p.quant is not None:
-        quant = QuantizedActivation(data, qscale, p.quant, p.scale_layout, scale if p.quant == "nvfp4" else None)
+        quant = QuantizedActivation(
+            data, qscale, p.quant, p.scale_layout, scale if p.quant == "nvfp4" else None
+        )
     return Output(normed if p.normed_output else None, residual, quant)
 
 
@@ -167,13 +169,20 @@ def _define_ops() -> None:
 
 
 def call_custom_op(
-    op: Any, handle: int, hidden_states: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, scale: Any
+    op: Any,
+    handle: int,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    scale: Any,
 ) -> Output:
     """The compiled-graph path of ``AllReduceNorm.__call__``."""
     import torch
 
     if op._problem.inplace:
-        normed, data, qscale = torch.ops.arnorm.all_reduce_norm_(handle, hidden_states, residual, weight, scale)
+        normed, data, qscale = torch.ops.arnorm.all_reduce_norm_(
+            handle, hidden_states, residual, weight, scale
+        )
         return _unflatten(op, hidden_states, normed, data, qscale, scale)
     h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(handle, hidden_states, residual, weight, scale)
     return _unflatten(op, h, normed, data, qscale, scale)

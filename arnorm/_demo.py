@@ -9,8 +9,16 @@ from typing import Any
 __all__ = ["run"]
 
 
-def _unfused(partial: Any, residual: Any, weight: Any, eps: float, offset: float, quant: str | None,
-             scale: Any, layout: str | None) -> tuple[Any, Any, Any]:
+def _unfused(
+    partial: Any,
+    residual: Any,
+    weight: Any,
+    eps: float,
+    offset: float,
+    quant: str | None,
+    scale: Any,
+    layout: str | None,
+) -> tuple[Any, Any, Any]:
     """What an engine writes by hand: all_reduce, then add + RMSNorm + quant in plain torch."""
     import torch
     import torch.distributed as dist
@@ -22,7 +30,9 @@ def _unfused(partial: Any, residual: Any, weight: Any, eps: float, offset: float
         dist.all_reduce(summed)
     h = (summed.to(partial.dtype).float() + residual.float()).to(partial.dtype)
     hf = h.float()
-    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)).to(partial.dtype)
+    y = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)).to(
+        partial.dtype
+    )
     return h, y, quantize_output(y, quant, scale, layout)
 
 
@@ -47,8 +57,15 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     hidden, tokens, quant = opts["hidden"], opts["tokens"], opts["quant"]
     quant = None if quant == "none" else quant
     norm = arnorm.RMSNorm(eps=1e-6, weight_offset=1.0)  # Gemma-style, the harder case
-    op = arnorm.AllReduceNorm(hidden_size=hidden, dtype=dtype, norm=norm, quant=quant, max_tokens=max(tokens, 64),
-                              backend=opts["backend"], device=device)
+    op = arnorm.AllReduceNorm(
+        hidden_size=hidden,
+        dtype=dtype,
+        norm=norm,
+        quant=quant,
+        max_tokens=max(tokens, 64),
+        backend=opts["backend"],
+        device=device,
+    )
     g = torch.Generator().manual_seed(1234)  # the same on every rank: shards are sliced, not re-drawn
     shard = hidden // world
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
@@ -63,8 +80,9 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         scale = None
         if quant in ("fp8_static", "nvfp4"):
             scale = torch.tensor([0.02 if quant == "fp8_static" else 448 * 6 / 4.0], device=device)
-        ref_h, ref_y, ref_q = _unfused(partial, residual, gamma, norm.eps, norm.weight_offset, quant, scale,
-                                       op.problem.scale_layout)
+        ref_h, ref_y, ref_q = _unfused(
+            partial, residual, gamma, norm.eps, norm.weight_offset, quant, scale, op.problem.scale_layout
+        )
         out = op(partial.clone(), residual, gamma, scale)
         row = {
             "layer": layer,
@@ -75,8 +93,9 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         if quant is not None:
             deq, ref_deq = out.quant.dequantize(), ref_q.dequantize()
             row["quant_max_abs"] = float((deq - ref_deq).abs().max())
-            row["quant_mismatch"] = float((out.quant.data.view(torch.uint8) != ref_q.data.view(torch.uint8))
-                                          .float().mean())
+            row["quant_mismatch"] = float(
+                (out.quant.data.view(torch.uint8) != ref_q.data.view(torch.uint8)).float().mean()
+            )
         rows.append(row)
         residual, x = out.residual.clone(), out.normed
     result = {"backend": op.backend, "explain": str(op.explain(tokens)), "rows": rows, "device": str(device)}
@@ -95,12 +114,21 @@ def run(args: argparse.Namespace) -> int:
     if args.hidden % args.tp:
         print(f"arnorm demo: --hidden {args.hidden} must be a multiple of --tp {args.tp}")
         return 2
-    opts = {"hidden": args.hidden, "tokens": args.tokens, "quant": args.quant, "dtype": args.dtype,
-            "layers": args.layers, "backend": args.backend, "cuda": use_cuda}
+    opts = {
+        "hidden": args.hidden,
+        "tokens": args.tokens,
+        "quant": args.quant,
+        "dtype": args.dtype,
+        "layers": args.layers,
+        "backend": args.backend,
+        "cuda": use_cuda,
+    }
     comm = "nccl" if use_cuda else "gloo"
     where = f"{args.tp} GPU(s) with NCCL" if use_cuda else f"{args.tp} CPU process(es) with gloo"
-    print(f"arnorm demo: {args.layers} layers, T={args.tokens}, H={args.hidden}, {args.dtype}, "
-          f"quant={args.quant}, TP={args.tp} on {where}")
+    print(
+        f"arnorm demo: {args.layers} layers, T={args.tokens}, H={args.hidden}, {args.dtype}, "
+        f"quant={args.quant}, TP={args.tp} on {where}"
+    )
     results = run_ranks(args.tp, _rank_main, opts, backend=comm)
     first = results[0]
     print(first["explain"])
@@ -109,11 +137,15 @@ def run(args: argparse.Namespace) -> int:
     for r in first["rows"]:
         q_abs = f"{r['quant_max_abs']:.3g}" if "quant_max_abs" in r else "-"
         q_mis = f"{100 * r['quant_mismatch']:.4f}%" if "quant_mismatch" in r else "-"
-        print(f"{r['layer']:>5}  {r['residual_max_abs']:>17.3g}  {r['normed_max_ulps']:>15}  "
-              f"{r['normed_max_abs']:>15.3g}  {q_abs:>14}  {q_mis:>21}")
+        print(
+            f"{r['layer']:>5}  {r['residual_max_abs']:>17.3g}  {r['normed_max_ulps']:>15}  "
+            f"{r['normed_max_abs']:>15.3g}  {q_abs:>14}  {q_mis:>21}"
+        )
         ok &= r["normed_max_ulps"] <= 1
     same = all(res["backend"] == first["backend"] for res in results)
     verdict = "OK" if ok and same else "MISMATCH"
-    print(f"backend on every rank: {first['backend']} ({'agreed' if same else 'DISAGREED'}); "
-          f"normed within 1 ulp of the unfused path: {'yes' if ok else 'NO'} -> {verdict}")
+    print(
+        f"backend on every rank: {first['backend']} ({'agreed' if same else 'DISAGREED'}); "
+        f"normed within 1 ulp of the unfused path: {'yes' if ok else 'NO'} -> {verdict}"
+    )
     return 0 if ok and same else 1

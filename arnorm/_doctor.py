@@ -23,7 +23,10 @@ def _gpu_lines() -> list[str]:
         lines.append("peer access (row can read column):")
         lines.append("      " + " ".join(f"{j:>3}" for j in range(n)))
         for i in range(n):
-            cells = ["  -" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j) else " no") for j in range(n)]
+            cells = [
+                "  -" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j) else " no")
+                for j in range(n)
+            ]
             lines.append(f"  {i:>3} " + " ".join(cells))
     return lines
 
@@ -38,10 +41,13 @@ def report() -> str:
     lines = [
         f"arnorm {arnorm.__version__}",
         f"python {sys.version.split()[0]} ({platform.platform()})",
-        f"torch {torch.__version__}  CUDA {torch.version.cuda or '-'}  ROCm {getattr(torch.version, 'hip', None) or '-'}",
+        f"torch {torch.__version__}  CUDA {torch.version.cuda or '-'}"
+        f"  ROCm {getattr(torch.version, 'hip', None) or '-'}",
         "torch.distributed: "
-        + ", ".join(f"{b}={'yes' if ok() else 'no'}" for b, ok in
-                    (("gloo", dist.is_gloo_available), ("nccl", dist.is_nccl_available))),
+        + ", ".join(
+            f"{b}={'yes' if ok() else 'no'}"
+            for b, ok in (("gloo", dist.is_gloo_available), ("nccl", dist.is_nccl_available))
+        ),
     ]
     lines += _gpu_lines()
     lines.append("backends:")
@@ -49,5 +55,7 @@ def report() -> str:
         version = f" {info.version}" if info.version else ""
         detail = f": {info.reason}" if info.reason else ""
         lines.append(f"  {info.name}{version} [{info.status}]{detail}")
-    lines.append("next: `arnorm explain --tp N --hidden H --quant Q` shows which backend a problem gets, and why")
+    lines.append(
+        "next: `arnorm explain --tp N --hidden H --quant Q` shows which backend a problem gets, and why"
+    )
     return "\n".join(lines)

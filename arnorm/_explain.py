@@ -67,12 +67,12 @@ class Explanation:
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [head]
         for r in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
         if self.num_tokens is not None:
             served = self.token_backend or "nothing"
             lines.append(f"tokens={self.num_tokens}: {served}")
-            for name, reasons in self.token_reasons:
-                lines.extend(f"  {name} skipped: {r}" for r in reasons)
+            for name, skipped in self.token_reasons:
+                lines.extend(f"  {name} skipped: {r}" for r in skipped)
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)

@@ -36,7 +36,9 @@ def _platform(device: torch.device) -> tuple[str, tuple[int, int] | None, str | 
     return "cuda", tuple(torch.cuda.get_device_capability(device)), None  # type: ignore[return-value]
 
 
-def _check_static_args(hidden_size: object, dtype: object, norm: object, max_tokens: object, flags: dict) -> str:
+def _check_static_args(
+    hidden_size: object, dtype: object, norm: object, max_tokens: object, flags: dict
+) -> str:
     import torch
 
     if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
@@ -45,7 +47,9 @@ def _check_static_args(hidden_size: object, dtype: object, norm: object, max_tok
     if name not in DTYPES:
         raise InvalidInputError(f"dtype: {dtype!r} (needs torch.bfloat16, torch.float16 or torch.float32)")
     if not isinstance(norm, RMSNorm):
-        raise InvalidInputError(f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))")
+        raise InvalidInputError(
+            f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))"
+        )
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise InvalidInputError(f"max_tokens: {max_tokens!r} (needs a positive int)")
     for arg, value in flags.items():
@@ -123,7 +127,9 @@ class AllReduceNorm:
         elif scale_layout is not None:
             raise InvalidInputError(f"scale_layout: {scale_layout!r} (needs None when quant is None)")
         if not normed_output and quant is None:
-            raise InvalidInputError("normed_output: False with quant=None (needs normed_output=True or a quant format)")
+            raise InvalidInputError(
+                "normed_output: False with quant=None (needs normed_output=True or a quant format)"
+            )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
@@ -154,7 +160,7 @@ class AllReduceNorm:
         self._comm = comm
         self._device = device
         # Hot-path constants: attribute lookups on self are the whole cost of a valid call.
-        self._dtype = dtype
+        self._dtype: torch.dtype = getattr(torch, dtype_name)
         self._dev_index = -1 if device.type == "cpu" else device.index
         self._hidden = hidden_size
         self._wshape = torch.Size([hidden_size])
@@ -209,7 +215,12 @@ class AllReduceNorm:
                 and weight.get_device() == dev
                 and residual is not hidden_states
                 and (
-                    (scale is not None and scale.dtype is self._f32 and scale.shape == (1,) and scale.get_device() == dev)
+                    (
+                        scale is not None
+                        and scale.dtype is self._f32
+                        and scale.shape == (1,)
+                        and scale.get_device() == dev
+                    )
                     if self._needs_scale
                     else scale is None
                 )
@@ -221,13 +232,13 @@ class AllReduceNorm:
         impl = self._by_tokens.get(shape[0])
         if impl is None:
             impl = self._dispatch(shape[0])
-        return impl(hidden_states, residual, weight, scale)  # type: ignore[no-any-return]
+        return impl(hidden_states, residual, weight, scale)
 
     def _dispatch(self, num_tokens: int) -> Any:
         if self._closed:
             raise InvalidInputError("op: closed (needs a new arnorm.AllReduceNorm)")
         skipped = []
-        for name, impl in zip(self._explanation.chain, self._chain):
+        for name, impl in zip(self._explanation.chain, self._chain, strict=True):
             reasons = tuple(impl.check_tokens(num_tokens))
             if not reasons:
                 self._by_tokens[num_tokens] = impl
@@ -265,13 +276,15 @@ class AllReduceNorm:
         t = self._check_tokens_arg(num_tokens)
         skipped = []
         served = None
-        for name, impl in zip(self._explanation.chain, self._chain):
+        for name, impl in zip(self._explanation.chain, self._chain, strict=True):
             reasons = tuple(impl.check_tokens(t))
             if not reasons:
                 served = name
                 break
             skipped.append((name, reasons))
-        return dataclasses.replace(self._explanation, num_tokens=t, token_backend=served, token_reasons=tuple(skipped))
+        return dataclasses.replace(
+            self._explanation, num_tokens=t, token_backend=served, token_reasons=tuple(skipped)
+        )
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -325,7 +338,16 @@ def fused_allreduce_norm(
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
         raise InvalidInputError("hidden_states: needs a 2-D torch.Tensor [tokens, hidden]")
     t, h = hidden_states.shape
-    key = (id(group), h, hidden_states.dtype, hidden_states.device, float(eps), float(weight_offset), quant, inplace)
+    key = (
+        id(group),
+        h,
+        hidden_states.dtype,
+        hidden_states.device,
+        float(eps),
+        float(weight_offset),
+        quant,
+        inplace,
+    )
     with _cache_lock:
         op = _cache.get(key)
         if op is None or op._closed or t > op._max_tokens:

@@ -105,4 +105,3 @@ class ReferenceBackend:
 
     def close(self) -> None:
         return None
-

@@ -89,7 +89,10 @@ def check_locally(problem: Problem, registry: Registry, pref: Preference) -> dic
             out[name] = (info.priority, (info.reason,))
             continue
         if not pref.is_strict and name in pref.disabled:
-            out[name] = (info.priority, ("disabled: listed in ARNORM_DISABLE / Config.disable (needs it unlisted)",))
+            out[name] = (
+                info.priority,
+                ("disabled: listed in ARNORM_DISABLE / Config.disable (needs it unlisted)",),
+            )
             continue
         reasons = check_capabilities(info.spec.capabilities, problem)
         out[name] = (info.priority, reasons or _probe(info.spec, problem))
@@ -106,7 +109,9 @@ def _merge(per_rank: list[dict[str, Any]], pref: Preference) -> list[Verdict]:
         entries = [local.get(name) for local in per_rank]
         priority = next((e[0] for e in entries if e is not None and e[0] is not None), None)
         per = [
-            e[1] if e is not None else ("registry: not registered on this rank (needs the same plugins on every rank)",)
+            e[1]
+            if e is not None
+            else ("registry: not registered on this rank (needs the same plugins on every rank)",)
             for e in entries
         ]
         if all(p == per[0] for p in per):
@@ -123,12 +128,16 @@ def explain_locally(problem: Problem, registry: Registry, pref: Preference) -> E
     """What this process alone would choose (no collective, no setup): ``arnorm explain``."""
     verdicts = _merge([check_locally(problem, registry, pref)], pref)
     chain = next(((v.backend,) for v in verdicts if v.is_eligible), ())
-    marked = tuple(Verdict(v.backend, "selected", (), v.priority) if (v.backend,) == chain else v for v in verdicts)
+    marked = tuple(
+        Verdict(v.backend, "selected", (), v.priority) if (v.backend,) == chain else v for v in verdicts
+    )
     note = "(local check only: workspace setup and cross-rank agreement happen when an op is built)"
     return Explanation(problem, pref.source, marked, chain, note=note)
 
 
-def _raise_none_eligible(problem: Problem, pref: Preference, verdicts: list[Verdict], setup_failed: bool) -> None:
+def _raise_none_eligible(
+    problem: Problem, pref: Preference, verdicts: list[Verdict], setup_failed: bool
+) -> None:
     expl = Explanation(problem, pref.source, tuple(verdicts))
     if pref.is_strict:
         names = ", ".join(repr(n) for n in pref.names or ())
@@ -155,9 +164,13 @@ def _check_agreement(comm: Comm, problem: Problem, pref: Preference) -> None:
     if any(s[1:] != seen[0][1:] for s in seen):
         fields.append("backend preference")
     detail = "; ".join(
-        f"rank {r}: " + ", ".join(f"{f}={getattr(s[0], f, s[1:])!r}" for f in fields) for r, s in enumerate(seen)
+        f"rank {r}: " + ", ".join(f"{f}={getattr(s[0], f, s[1:])!r}" for f in fields)
+        for r, s in enumerate(seen)
     )
-    msg = f"ranks disagree on {', '.join(fields)} ({detail}) (needs the same arguments and ARNORM_BACKEND on every rank)"
+    msg = (
+        f"ranks disagree on {', '.join(fields)} ({detail}) "
+        "(needs the same arguments and ARNORM_BACKEND on every rank)"
+    )
     raise InvalidInputError(msg)
 
 
@@ -184,7 +197,9 @@ def select(
             if instance is not None:
                 instance.close()
             same = len(set(errors)) == 1
-            failures[name] = tuple(e if same else f"rank {r}: {e}" for r, e in enumerate(errors) if e)[: 1 if same else None]
+            failures[name] = tuple(e if same else f"rank {r}: {e}" for r, e in enumerate(errors) if e)[
+                : 1 if same else None
+            ]
             continue
         assert instance is not None
         chain.append(instance)
@@ -196,14 +211,18 @@ def select(
         if v.backend in failures:
             final.append(Verdict(v.backend, "rejected", failures[v.backend], v.priority))
         elif v.backend in names:
-            final.append(Verdict(v.backend, "selected" if v.backend == names[0] else "fallback", (), v.priority))
+            final.append(
+                Verdict(v.backend, "selected" if v.backend == names[0] else "fallback", (), v.priority)
+            )
         else:
             final.append(v)
     if not chain:
         _raise_none_eligible(problem, pref, final, setup_failed=bool(failures))
     expl = Explanation(problem, pref.source, tuple(final), tuple(names))
     if comm.rank == 0:
-        logger.info("arnorm: using %s for %s (choice: %s)", " then ".join(names), problem.short(), pref.source)
+        logger.info(
+            "arnorm: using %s for %s (choice: %s)", " then ".join(names), problem.short(), pref.source
+        )
     for v in final:
         if v.status == "rejected":
             logger.debug("arnorm: %s rejected: %s", v.backend, "; ".join(v.reasons))

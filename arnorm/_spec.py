@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -42,7 +42,7 @@ class BackendSpec:
     distribution: str | None = None
     install_hint: str | None = None
     description: str = ""
-    _cls: list[type] = field(default_factory=list, repr=False, compare=False, hash=False)
+    _cls: list[Any] = field(default_factory=list, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -73,11 +73,11 @@ class BackendSpec:
         """Import and return the backend class (cached); may raise whatever the module raises."""
         if not self._cls:
             module_name, _, attr = self.loader.partition(":")
-            obj = importlib.import_module(module_name)
+            obj: Any = importlib.import_module(module_name)
             for part in attr.split("."):
                 obj = getattr(obj, part)
-            self._cls.append(obj)  # type: ignore[arg-type]
-        return self._cls[0]  # type: ignore[no-any-return]
+            self._cls.append(obj)
+        return self._cls[0]
 
 
 class BackendHookSpecs:

@@ -68,7 +68,7 @@ class QuantizedActivation(NamedTuple):
     global_scale: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        """Decode to fp32 ``[T, H]`` (exact: every code and scale is representable in fp32)."""
+        """Decode to fp32 ``[T, H]``: ``code * scale`` per element, one fp32 rounding (see docs/numerics.md)."""
         from arnorm.quant import dequantize
 
         return dequantize(self)

@@ -55,7 +55,9 @@ def check_call(
             f"hidden_states: {shape[0]} tokens (needs 1 to {t_max}; build the op with a larger max_tokens)"
         )
     if tuple(residual.shape) != shape:
-        raise InvalidInputError(f"residual: shape {list(residual.shape)} (needs {list(shape)}, the shape of hidden_states)")
+        raise InvalidInputError(
+            f"residual: shape {list(residual.shape)} (needs {list(shape)}, the shape of hidden_states)"
+        )
     if tuple(weight.shape) != (h,):
         raise InvalidInputError(f"weight: shape {list(weight.shape)} (needs [{h}])")
     for arg, t in (("hidden_states", hidden_states), ("residual", residual), ("weight", weight)):
@@ -64,13 +66,19 @@ def check_call(
         if t.device != device:
             raise InvalidInputError(f"{arg}: device {_device(t)} (needs {device}, the op's device)")
         if not t.is_contiguous():
-            raise InvalidInputError(f"{arg}: non-contiguous, strides {list(t.stride())} (needs .contiguous())")
+            raise InvalidInputError(
+                f"{arg}: non-contiguous, strides {list(t.stride())} (needs .contiguous())"
+            )
     if needs_scale(problem.quant):
         what = "dequant" if problem.quant == "fp8_static" else "global encode"
         if scale is None:
-            raise InvalidInputError(f"scale: missing (needs the fp32 [1] {what} scale for quant={problem.quant!r})")
+            raise InvalidInputError(
+                f"scale: missing (needs the fp32 [1] {what} scale for quant={problem.quant!r})"
+            )
         if not isinstance(scale, torch.Tensor):
-            raise InvalidInputError(f"scale: {type(scale).__name__} (needs a torch.Tensor of dtype float32, shape [1])")
+            raise InvalidInputError(
+                f"scale: {type(scale).__name__} (needs a torch.Tensor of dtype float32, shape [1])"
+            )
         if scale.dtype != torch.float32:
             raise InvalidInputError(f"scale: dtype {scale.dtype} (needs torch.float32)")
         if tuple(scale.shape) != (1,):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
 from arnorm._discovery import Registry, reset_registry
 from arnorm._reference import ReferenceBackend
 from arnorm.plugin import BackendSpec, Capabilities, Output, add_rmsnorm, quantize_output

@@ -17,13 +17,19 @@ def make_inputs(rank: int, world: int, tokens: int, hidden: int, dtype: torch.dt
     return partials, residual, weight
 
 
-def reference_matches(rank: int, world: int, tokens: int, hidden: int, quant: str | None, backend: str | None):
+def reference_matches(
+    rank: int, world: int, tokens: int, hidden: int, quant: str | None, backend: str | None
+):
     """Run the op once; return (chosen backend, residual bitwise ok, normed bitwise ok)."""
     dtype = torch.bfloat16
     partials, residual, weight = make_inputs(rank, world, tokens, hidden, dtype)
     scale = torch.tensor([0.05]) if quant in ("fp8_static", "nvfp4") else None
     with arnorm.AllReduceNorm(
-        hidden_size=hidden, dtype=dtype, norm=arnorm.RMSNorm(1e-6, 1.0), quant=quant, backend=backend,
+        hidden_size=hidden,
+        dtype=dtype,
+        norm=arnorm.RMSNorm(1e-6, 1.0),
+        quant=quant,
+        backend=backend,
         max_tokens=64,
     ) as op:
         x = partials[rank].clone()

@@ -15,16 +15,36 @@ GRAMMAR = re.compile(r"^[a-z][a-z0-9 _.-]*: .+ \(needs .+\)$")
 
 
 def problem(**kw) -> Problem:
-    base = dict(world_size=2, hidden_size=4096, dtype="bfloat16", eps=1e-6, weight_offset=0.0, quant=None,
-                scale_layout=None, max_tokens=8192, normed_output=True, inplace=True, device_type="cuda",
-                platform="cuda", arch=(9, 0))
+    base = dict(
+        world_size=2,
+        hidden_size=4096,
+        dtype="bfloat16",
+        eps=1e-6,
+        weight_offset=0.0,
+        quant=None,
+        scale_layout=None,
+        max_tokens=8192,
+        normed_output=True,
+        inplace=True,
+        device_type="cuda",
+        platform="cuda",
+        arch=(9, 0),
+    )
     base.update(kw)
     return Problem(**base)
 
 
-FI = Capabilities(platforms={"cuda"}, dtypes={"bfloat16", "float16"}, quant={"none", "fp8_static", "nvfp4"},
-                  world_sizes={2, 4, 8, 16}, min_arch=(9, 0), quant_min_arch={"nvfp4": (10, 0)},
-                  hidden_multiple=8, max_hidden=16384, scale_layouts={"swizzled_128x4"})
+FI = Capabilities(
+    platforms={"cuda"},
+    dtypes={"bfloat16", "float16"},
+    quant={"none", "fp8_static", "nvfp4"},
+    world_sizes={2, 4, 8, 16},
+    min_arch=(9, 0),
+    quant_min_arch={"nvfp4": (10, 0)},
+    hidden_multiple=8,
+    max_hidden=16384,
+    scale_layouts={"swizzled_128x4"},
+)
 
 
 def test_eligible_problem_has_no_reasons():
@@ -40,17 +60,25 @@ def test_each_aspect_has_its_reason():
         "quant: mxfp8 (needs fp8_static, none or nvfp4)": problem(quant="mxfp8", scale_layout="linear"),
         "world size: 3 (needs 16, 2, 4 or 8)": problem(world_size=3),
         "compute capability: 8.0 (needs >= 9.0)": problem(arch=(8, 0)),
-        "compute capability: 9.0 (needs >= 10.0 for nvfp4)": problem(quant="nvfp4", scale_layout="swizzled_128x4"),
+        "compute capability: 9.0 (needs >= 10.0 for nvfp4)": problem(
+            quant="nvfp4", scale_layout="swizzled_128x4"
+        ),
         "hidden size: 4100 (needs a multiple of 8)": problem(hidden_size=4100),
         "hidden size: 32768 (needs <= 16384)": problem(hidden_size=32768),
-        "scale layout: linear (needs swizzled_128x4)": problem(quant="nvfp4", scale_layout="linear", arch=(10, 0)),
+        "scale layout: linear (needs swizzled_128x4)": problem(
+            quant="nvfp4", scale_layout="linear", arch=(10, 0)
+        ),
     }
     for reason, p in cases.items():
         assert reason in check_capabilities(FI, p), (reason, check_capabilities(FI, p))
 
 
-@given(ws=st.integers(1, 64), h=st.integers(1, 40000), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
-       arch=st.tuples(st.integers(7, 12), st.integers(0, 9)))
+@given(
+    ws=st.integers(1, 64),
+    h=st.integers(1, 40000),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+    arch=st.tuples(st.integers(7, 12), st.integers(0, 9)),
+)
 def test_every_reason_follows_the_grammar(ws, h, dtype, arch):
     """Whatever the problem, each reason reads '<aspect>: <found> (needs <required>)'."""
     for r in check_capabilities(FI, problem(world_size=ws, hidden_size=h, dtype=dtype, arch=arch)):

@@ -19,14 +19,24 @@ def test_env_lists_are_parsed(clean_env):
 
 def test_every_field_has_its_variable(clean_env):
     """Each Config field is set by ARNORM_<FIELD>."""
-    values = {"backend": "x", "disable": "y", "triton_exact": "true", "flashinfer_mnnvl": "true",
-              "flashinfer_max_size_mb": "3.5"}
+    values = {
+        "backend": "x",
+        "disable": "y",
+        "triton_exact": "true",
+        "flashinfer_mnnvl": "true",
+        "flashinfer_max_size_mb": "3.5",
+    }
     for field, value in values.items():
         clean_env.setenv(f"ARNORM_{field.upper()}", value)
     c = Config()
     assert set(values) == set(Config.model_fields)
     assert (c.backend, c.disable, c.triton_exact, c.flashinfer_mnnvl, c.flashinfer_max_size_mb) == (
-        ("x",), ("y",), True, True, 3.5)
+        ("x",),
+        ("y",),
+        True,
+        True,
+        3.5,
+    )
 
 
 def test_precedence_argument_config_env_auto(clean_env):
@@ -34,7 +44,9 @@ def test_precedence_argument_config_env_auto(clean_env):
     assert Preference.resolve(None, Config()).source == "auto"
     clean_env.setenv("ARNORM_BACKEND", "triton")
     assert Preference.resolve(None, Config()) == Preference(("triton",), "ARNORM_BACKEND")
-    assert Preference.resolve(None, Config(backend="reference")) == Preference(("reference",), "Config.backend")
+    assert Preference.resolve(None, Config(backend="reference")) == Preference(
+        ("reference",), "Config.backend"
+    )
     assert Preference.resolve(["a", "b"], Config(backend="reference")) == Preference(("a", "b"), "argument")
 
 

@@ -22,8 +22,16 @@ def test_reference_registers_through_its_entry_point():
 def test_missing_requirement_is_not_installed_with_the_fix():
     """A spec whose module is absent is 'not installed' and names the pip command."""
     reg = Registry()
-    reg.add(BackendSpec(name="gone", priority=5, capabilities=Capabilities(platforms={"cuda"}),
-                        loader="nowhere:X", requires=("no_such_module_xyz",), extra="gone"))
+    reg.add(
+        BackendSpec(
+            name="gone",
+            priority=5,
+            capabilities=Capabilities(platforms={"cuda"}),
+            loader="nowhere:X",
+            requires=("no_such_module_xyz",),
+            extra="gone",
+        )
+    )
     info = reg.get("gone")
     assert info.status == "not installed"
     assert info.reason == "not installed: no_such_module_xyz (needs pip install 'arnorm[gone]')"
@@ -65,8 +73,8 @@ def test_loading_is_lazy():
     code = (
         "import sys, arnorm\n"
         "arnorm.backends()\n"
-        "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'flashinfer', 'aiter', 'numpy')"
-        " or m.endswith('._backend')])\n"
+        "heavy = ('torch', 'triton', 'flashinfer', 'aiter', 'numpy')\n"
+        "print([m for m in sys.modules if m.split('.')[0] in heavy or m.endswith('._backend')])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -85,15 +93,17 @@ def test_broken_distribution_on_sys_path_does_not_break_the_core(tmp_path):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             infos = {i.name: i for i in arnorm.backends()}
-        print(infos["broken"].status, "|", infos["broken"].reason, "|", sum("'broken'" in str(x.message) for x in w))
+        warned = sum("'broken'" in str(x.message) for x in w)
+        print(infos["broken"].status, "|", infos["broken"].reason, "|", warned)
         op = arnorm.AllReduceNorm(hidden_size=16, dtype=torch.float32, max_tokens=4, backend="reference")
-        print(op.explain().rejections().get("broken", ("-",))[0] if "broken" in op.explain().rejections() else "-")
+        print(op.explain().rejections().get("broken", ("-",))[0])
         """
     )
     env = {"PYTHONPATH": str(tmp_path)}
     import os
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, **env}).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    ).stdout.splitlines()
     assert out[0] == "broken | plugin: ImportError: compiled for another torch (needs a working install) | 1"
     assert out[1] == "-"  # a strict choice never even looks at the broken plugin

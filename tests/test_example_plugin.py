@@ -40,8 +40,9 @@ def test_selected_by_env_and_correct(clean_env):
     x, r = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(5, 64, generator=g).bfloat16()
     w = torch.randn(64, generator=g).bfloat16()
     expect_h, expect_y = add_rmsnorm(x.clone(), r, w, 1e-6, 1.0)
-    with arnorm.AllReduceNorm(hidden_size=64, dtype=torch.bfloat16, norm=arnorm.RMSNorm(1e-6, 1.0), max_tokens=8,
-                              device="cpu") as op:
+    with arnorm.AllReduceNorm(
+        hidden_size=64, dtype=torch.bfloat16, norm=arnorm.RMSNorm(1e-6, 1.0), max_tokens=8, device="cpu"
+    ) as op:
         assert op.backend == "example" and op.explain().source == "ARNORM_BACKEND"
         out = op(x, r, w)
     assert torch.equal(out.residual, expect_h) and torch.equal(out.normed, expect_y)
@@ -49,5 +50,9 @@ def test_selected_by_env_and_correct(clean_env):
 
 def test_strict_unsupported_format_names_the_reason(clean_env):
     """The example declares no nvfp4: asking for it by name fails with the capability reason."""
-    with pytest.raises(arnorm.NoEligibleBackendError, match=r"quant: nvfp4 \(needs fp8_per_token, fp8_static or none\)"):
-        arnorm.AllReduceNorm(hidden_size=64, dtype=torch.bfloat16, quant="nvfp4", backend="example", device="cpu")
+    with pytest.raises(
+        arnorm.NoEligibleBackendError, match=r"quant: nvfp4 \(needs fp8_per_token, fp8_static or none\)"
+    ):
+        arnorm.AllReduceNorm(
+            hidden_size=64, dtype=torch.bfloat16, quant="nvfp4", backend="example", device="cpu"
+        )

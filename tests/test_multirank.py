@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 import ranks_fixtures as rf
+
 from arnorm.testing import run_ranks
 
 pytestmark = pytest.mark.slow

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
+import fake_backends
 import pytest
 import torch
 
 import arnorm
-import fake_backends
 from arnorm._reference import add_rmsnorm
 
 H = 32
@@ -16,8 +16,11 @@ H = 32
 
 def inputs(t=4, h=H, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, h, generator=g).to(dtype), torch.randn(t, h, generator=g).to(dtype),
-            torch.randn(h, generator=g).to(dtype))
+    return (
+        torch.randn(t, h, generator=g).to(dtype),
+        torch.randn(t, h, generator=g).to(dtype),
+        torch.randn(h, generator=g).to(dtype),
+    )
 
 
 def make(**kw) -> arnorm.AllReduceNorm:
@@ -50,22 +53,25 @@ def test_auto_picks_highest_priority_and_explains(clean_env):
     fake_backends.install(
         fake_backends.spec("fast", 50, "AllReduceBackend"),
         fake_backends.spec("picky", 90, "ProbeRejectsBackend"),
-        fake_backends.spec("gpuonly", 95, "AllReduceBackend",
-                           caps=arnorm.Capabilities(platforms={"cuda"})),
+        fake_backends.spec("gpuonly", 95, "AllReduceBackend", caps=arnorm.Capabilities(platforms={"cuda"})),
     )
     with make() as op:
         text = str(op.explain())
         assert op.backend == "fast"
         assert [v.backend for v in op.explain().verdicts] == ["gpuonly", "picky", "fast", "reference"]
     assert re.search(r"gpuonly\s+95\s+rejected\s+platform: cpu \(needs cuda\)", text)
-    assert re.search(r"picky\s+90\s+rejected\s+topology: no NVLink \(needs P2P access between the GPUs\)", text)
+    assert re.search(
+        r"picky\s+90\s+rejected\s+topology: no NVLink \(needs P2P access between the GPUs\)", text
+    )
     assert re.search(r"fast\s+50\s+selected", text) and re.search(r"reference\s+0\s+eligible", text)
 
 
 def test_priority_tie_breaks_by_name(clean_env):
     """Equal priorities are ordered by name."""
-    fake_backends.install(fake_backends.spec("zeta", 10, "AllReduceBackend"),
-                          fake_backends.spec("alpha", 10, "AllReduceBackend"))
+    fake_backends.install(
+        fake_backends.spec("zeta", 10, "AllReduceBackend"),
+        fake_backends.spec("alpha", 10, "AllReduceBackend"),
+    )
     with make() as op:
         assert op.backend == "alpha"
 
@@ -99,11 +105,15 @@ def test_strict_errors_name_the_backend_and_reasons(clean_env):
         fake_backends.spec("picky", 90, "ProbeRejectsBackend"),
         fake_backends.spec("gone", 80, "AllReduceBackend", requires=("no_such_module_xyz",), extra="gone"),
     )
-    with pytest.raises(arnorm.NoEligibleBackendError, match=r"(?s)backend .picky. \(from argument\).*topology: no NVLink"):
+    with pytest.raises(
+        arnorm.NoEligibleBackendError, match=r"(?s)backend .picky. \(from argument\).*topology: no NVLink"
+    ):
         make(backend="picky")
     with pytest.raises(arnorm.BackendNotInstalledError, match=r"pip install 'arnorm\[gone\]'"):
         make(backend="gone")
-    with pytest.raises(arnorm.NoEligibleBackendError, match=r"registry: no backend named 'nope' \(needs one of"):
+    with pytest.raises(
+        arnorm.NoEligibleBackendError, match=r"registry: no backend named 'nope' \(needs one of"
+    ):
         make(backend="nope")
 
 
@@ -118,7 +128,8 @@ def test_probe_that_raises_becomes_a_reason(clean_env, monkeypatch):
     with make() as op:
         assert op.backend == "reference"
         assert op.explain().rejections()["fast"] == (
-            "probe: raised OSError: driver not loaded (needs a probe that returns reasons)",)
+            "probe: raised OSError: driver not loaded (needs a probe that returns reasons)",
+        )
 
 
 def test_token_budget_falls_back_per_call(clean_env):
@@ -140,21 +151,32 @@ def test_strict_token_budget_raises_at_call(clean_env):
     fake_backends.install(fake_backends.spec("small", 60, "SmallBackend"))
     with make(backend="small") as op:
         x, r, w = inputs(t=5)
-        with pytest.raises(arnorm.NoEligibleBackendError, match=r"tokens: 5 \(no backend of this op serves it: small"):
+        with pytest.raises(
+            arnorm.NoEligibleBackendError, match=r"tokens: 5 \(no backend of this op serves it: small"
+        ):
             op(x, r, w)
 
 
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda x, r, w, s: (x[:, :16].contiguous(), r, w, s), r"hidden_states: shape \[4, 16\] \(needs \[tokens, 32\]"),
-        (lambda x, r, w, s: (x.double(), r, w, s), r"hidden_states: dtype torch.float64 \(needs torch.float32"),
+        (
+            lambda x, r, w, s: (x[:, :16].contiguous(), r, w, s),
+            r"hidden_states: shape \[4, 16\] \(needs \[tokens, 32\]",
+        ),
+        (
+            lambda x, r, w, s: (x.double(), r, w, s),
+            r"hidden_states: dtype torch.float64 \(needs torch.float32",
+        ),
         (lambda x, r, w, s: (x, r.half(), w, s), r"residual: dtype torch.float16 \(needs torch.float32"),
         (lambda x, r, w, s: (x, r, w.bfloat16(), s), r"weight: dtype torch.bfloat16 \(needs torch.float32"),
         (lambda x, r, w, s: (x, r[:2], w, s), r"residual: shape \[2, 32\] \(needs \[4, 32\]"),
         (lambda x, r, w, s: (x, r, w[:8], s), r"weight: shape \[8\] \(needs \[32\]\)"),
         (lambda x, r, w, s: (torch.randn(32, 4).t(), r, w, s), r"hidden_states: non-contiguous"),
-        (lambda x, r, w, s: (torch.randn(17, 32), torch.randn(17, 32), w, s), r"hidden_states: 17 tokens \(needs 1 to 16"),
+        (
+            lambda x, r, w, s: (torch.randn(17, 32), torch.randn(17, 32), w, s),
+            r"hidden_states: 17 tokens \(needs 1 to 16",
+        ),
         (lambda x, r, w, s: (x, x, w, s), r"residual: the same buffer as hidden_states"),
         (lambda x, r, w, s: (x, r, w, torch.ones(1)), r"scale: a tensor \(needs None"),
         (lambda x, r, w, s: (x.tolist(), r, w, s), r"hidden_states: list \(needs a torch.Tensor\)"),
@@ -202,9 +224,11 @@ def test_close_is_idempotent_and_final(clean_env):
 
 def test_backend_for_validates_its_argument(clean_env):
     """backend_for() and explain() take a token count within the budget."""
-    with make() as op:
-        with pytest.raises(arnorm.InvalidInputError, match=r"num_tokens: 0 \(needs an int from 1 to 16\)"):
-            op.backend_for(0)
+    with (
+        make() as op,
+        pytest.raises(arnorm.InvalidInputError, match=r"num_tokens: 0 \(needs an int from 1 to 16\)"),
+    ):
+        op.backend_for(0)
 
 
 def test_fused_allreduce_norm_caches_and_grows(clean_env):
@@ -228,6 +252,7 @@ def test_custom_op_compiles_fullgraph(clean_env):
     """torch.compile(fullgraph=True) traces a call through torch.ops.arnorm with the same result."""
     x, r, w = inputs()
     with make(norm=arnorm.RMSNorm(1e-6, 1.0)) as op:
+
         def step(x, r, w):
             out = op(x, r, w)
             return out.normed * 2, out.residual
@@ -242,8 +267,11 @@ def test_custom_op_passes_opcheck(clean_env):
     """The functional custom op satisfies torch.library.opcheck (schema, fake, aliasing)."""
     x, r, w = inputs()
     with make(inplace=False) as op:
-        torch.library.opcheck(torch.ops.arnorm.all_reduce_norm.default, (op._handle, x, r, w, None),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            torch.ops.arnorm.all_reduce_norm.default,
+            (op._handle, x, r, w, None),
+            test_utils=("test_schema", "test_faketensor"),
+        )
 
 
 def test_choice_is_logged_once_at_info(clean_env, caplog):
@@ -265,7 +293,11 @@ def test_reference_serves_every_format_through_the_quantizers(clean_env, quant):
     from arnorm.quant import quantize
 
     x, r, w = inputs(t=3, h=64, dtype=torch.bfloat16)
-    scale = torch.tensor([0.05 if quant == "fp8_static" else 448 * 6 / 3.0]) if quant in ("fp8_static", "nvfp4") else None
+    scale = (
+        torch.tensor([0.05 if quant == "fp8_static" else 448 * 6 / 3.0])
+        if quant in ("fp8_static", "nvfp4")
+        else None
+    )
     with make(hidden_size=64, dtype=torch.bfloat16, quant=quant, backend="reference") as op:
         out = op(x, r, w, scale)
     expect = quantize(out.normed, quant, scale=scale, layout=op.problem.scale_layout)

@@ -13,7 +13,8 @@ def test_all_lists_exactly_the_public_names():
     import types
 
     public = sorted(
-        n for n, v in vars(arnorm).items()
+        n
+        for n, v in vars(arnorm).items()
         if not n.startswith("_") and n != "annotations" and not isinstance(v, types.ModuleType)
     )
     assert sorted(arnorm.__all__) == public
@@ -21,8 +22,19 @@ def test_all_lists_exactly_the_public_names():
 
 def test_design_names_exist():
     """Every name DESIGN.md fixes is exported."""
-    for name in ("RMSNorm", "AllReduceNorm", "fused_allreduce_norm", "Output", "QuantizedActivation",
-                 "FusedAllReduceNorm", "Capabilities", "Config", "backends", "Explanation", "ArnormError"):
+    for name in (
+        "RMSNorm",
+        "AllReduceNorm",
+        "fused_allreduce_norm",
+        "Output",
+        "QuantizedActivation",
+        "FusedAllReduceNorm",
+        "Capabilities",
+        "Config",
+        "backends",
+        "Explanation",
+        "ArnormError",
+    ):
         assert name in arnorm.__all__
 
 

@@ -49,7 +49,7 @@ def test_reference_matches_float64_contract(world, tokens, hidden, dtype, offset
     parts = [(torch.randn(tokens, hidden, generator=g) * magnitude).to(dtype) for _ in range(world)]
     residual = (torch.randn(tokens, hidden, generator=g) * magnitude).to(dtype)
     weight = (torch.randn(hidden, generator=g) * 0.2).to(dtype)
-    s64, h64, y64 = float64_contract(parts, residual, weight, eps, offset)
+    s64, h64, _ = float64_contract(parts, residual, weight, eps, offset)
     s = rank_order_sum(parts)
     h, y = add_rmsnorm(s, residual, weight, eps, offset)
     if dtype is not torch.float32:

@@ -60,19 +60,19 @@ def quantize(
     layout of nvfp4 (default ``swizzled_128x4``) and mxfp8 (default ``linear``); ``None`` for fp8.
     Raises :class:`arnorm.InvalidInputError` (a ``ValueError``) for a bad argument.
     """
-    y = check_input(y)
+    y = check_input(y).detach()  # quantization is not differentiable; keep autograd out of it
     resolved = check_format(format, layout, int(y.shape[1]))
     check_scale(format, scale, y.device)
     if format == "fp8_static":
         assert scale is not None
-        return QuantizedActivation(quantize_fp8_static(y, scale), scale, format)
+        return QuantizedActivation(quantize_fp8_static(y, scale.detach()), scale, format)
     if format == "fp8_per_token":
         data, token_scale = quantize_fp8_per_token(y)
         return QuantizedActivation(data, token_scale, format)
     assert resolved is not None
     if format == "nvfp4":
         assert scale is not None
-        packed, block_scales = quantize_nvfp4(y, scale, resolved)
+        packed, block_scales = quantize_nvfp4(y, scale.detach(), resolved)
         return QuantizedActivation(packed, block_scales, format, resolved, scale)
     data, exponents = quantize_mxfp8(y, resolved)
     return QuantizedActivation(data, exponents, format, resolved)

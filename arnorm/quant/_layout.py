@@ -39,7 +39,7 @@ def _check_dim(value: object, argument: str) -> int:
 
 
 def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
-    """Row-major scales ``[T, C]`` -> ``[round_up(T, 128), round_up(C, 4)]`` whose bytes follow the 128x4 swizzle.
+    """Row-major scales ``[T, C]`` -> ``[round_up(T, 128), round_up(C, 4)]`` in 128x4 swizzled byte order.
 
     Any 1-byte dtype; the result keeps it and is contiguous; padding bytes are zero.
     """
@@ -55,8 +55,10 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
 
 
 def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle_128x4`: swizzled bytes (any shape, ``round_up(rows, 128) * round_up(cols, 4)``
-    elements in memory order) -> row-major ``[rows, cols]`` in the same dtype.
+    """Inverse of :func:`swizzle_128x4`: swizzled scales -> row-major ``[rows, cols]``, same dtype.
+
+    ``swizzled`` may have any shape with ``round_up(rows, 128) * round_up(cols, 4)`` elements, read in
+    (logical, row-major) order.
     """
     raw = _as_bytes(swizzled, "swizzled")
     rows, cols = _check_dim(rows, "rows"), _check_dim(cols, "cols")

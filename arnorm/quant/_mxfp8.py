@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from arnorm.quant._codecs import F32_RCP_448, e4m3_decode, e4m3_encode, e8m0_decode, pow2_neg_e8m0, ue8m0_round_up
+from arnorm.quant._codecs import (
+    F32_RCP_448,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_decode,
+    pow2_neg_e8m0,
+    ue8m0_round_up,
+)
 from arnorm.quant._layout import from_layout, to_layout
 
 __all__ = ["BLOCK", "dequantize_mxfp8", "quantize_mxfp8"]

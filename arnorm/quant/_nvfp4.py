@@ -39,7 +39,8 @@ def quantize_nvfp4(
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """``uint8 [T, H/2]`` -> codes ``uint8 [T, H]`` (low nibble first)."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    rows, half = packed.shape
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(rows, 2 * half)
 
 
 def dequantize_nvfp4(
