@@ -85,3 +85,15 @@ def bad_call_then_good(rank: int, world: int):
     h, _ = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 0.0)
     op.close()
     return messages, torch.equal(out.residual, h)
+
+
+def reference_matches_on_cuda(rank: int, world: int, tokens: int, hidden: int):
+    """Two ranks share one GPU over gloo: reference residual and normed equal the contract."""
+    partials, residual, weight = make_inputs(rank, world, tokens, hidden, torch.bfloat16)
+    dev = torch.device("cuda", 0)
+    with arnorm.AllReduceNorm(
+        hidden_size=hidden, dtype=torch.bfloat16, max_tokens=16, backend="reference", device=dev
+    ) as op:
+        out = op(partials[rank].to(dev), residual.to(dev), weight.to(dev))
+        h, y = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 0.0)
+        return torch.equal(out.residual.cpu(), h), torch.equal(out.normed.cpu(), y)

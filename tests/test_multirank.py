@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import ranks_fixtures as rf
 
 from arnorm.testing import run_ranks
+
+import ranks_fixtures as rf
 
 pytestmark = pytest.mark.slow
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 
-import fake_backends
 import pytest
 import torch
 
 import arnorm
 from arnorm._reference import add_rmsnorm
+
+import fake_backends
 
 H = 32
 
