@@ -68,7 +68,7 @@ class QuantizedActivation(NamedTuple):
     global_scale: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        """Decode to fp32 ``[T, H]``: ``code * scale`` per element, one fp32 rounding (see docs/numerics.md)."""
+        """Decode to fp32 ``[T, H]``: ``code * scale`` per element, one fp32 rounding (docs/numerics.md)."""
         from arnorm.quant import dequantize
 
         return dequantize(self)
