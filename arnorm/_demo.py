@@ -123,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
         "backend": args.backend,
         "cuda": use_cuda,
     }
-    comm = "nccl" if use_cuda else "gloo"
-    where = f"{args.tp} GPU(s) with NCCL" if use_cuda else f"{args.tp} CPU process(es) with gloo"
+    # NCCL needs one GPU per rank; with fewer GPUs the ranks share them over gloo (CUDA tensors).
+    comm = "nccl" if use_cuda and torch.cuda.device_count() >= args.tp else "gloo"
+    where = f"{args.tp} rank(s) on {'GPU' if use_cuda else 'CPU'} with {comm}"
     print(
         f"arnorm demo: {args.layers} layers, T={args.tokens}, H={args.hidden}, {args.dtype}, "
         f"quant={args.quant}, TP={args.tp} on {where}"

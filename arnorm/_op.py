@@ -166,6 +166,7 @@ class AllReduceNorm:
         self._wshape = torch.Size([hidden_size])
         self._max_tokens = max_tokens
         self._needs_scale = needs_scale(quant)
+        self._weight_seen: Any = None
         self._f32 = torch.float32
         self._is_compiling = torch.compiler.is_compiling
         self._handle = register_handle(self)
@@ -201,19 +202,16 @@ class AllReduceNorm:
             ok = (
                 hidden_states.dtype is dt
                 and residual.dtype is dt
-                and weight.dtype is dt
                 and len(shape) == 2
                 and shape[1] == self._hidden
                 and 0 < shape[0] <= self._max_tokens
                 and residual.shape == shape
-                and weight.shape == self._wshape
                 and hidden_states.is_contiguous()
                 and residual.is_contiguous()
-                and weight.is_contiguous()
                 and hidden_states.get_device() == dev
                 and residual.get_device() == dev
-                and weight.get_device() == dev
                 and residual is not hidden_states
+                and (weight is self._weight_seen or self._weight_fits(weight))
                 and (
                     (
                         scale is not None
@@ -233,6 +231,19 @@ class AllReduceNorm:
         if impl is None:
             impl = self._dispatch(shape[0])
         return impl(hidden_states, residual, weight, scale)
+
+    def _weight_fits(self, weight: Any) -> bool:
+        # The weight is the same tensor step after step: check it once, then trust its identity
+        # (its dtype, shape and device change only through .data / .set_(), which engines don't do).
+        fits = bool(
+            weight.dtype is self._dtype
+            and weight.shape == self._wshape
+            and weight.is_contiguous()
+            and weight.get_device() == self._dev_index
+        )
+        if fits:
+            self._weight_seen = weight
+        return fits
 
     def _dispatch(self, num_tokens: int) -> Any:
         if self._closed:

@@ -24,6 +24,7 @@ __all__ = [
     "e2m1_code",
     "e4m3_bits",
     "e4m3_decode",
+    "abs_max",
     "satfinite_e4m3",
     "to_dtype_rne",
     "to_fp32",
@@ -31,8 +32,22 @@ __all__ = [
     "ue8m0_to_inv_scale",
 ]
 
-#: Largest finite float8_e4m3fn value.
-E4M3_MAX = 448.0
+#: Largest finite float8_e4m3fn value (a constexpr: Triton kernels may only read constexpr globals).
+E4M3_MAX = tl.constexpr(448.0)
+#: A quiet fp32 NaN's bit pattern.
+_F32_NAN_BITS = tl.constexpr(0x7FC00000)
+
+
+@triton.jit
+def abs_max(x, axis: tl.constexpr):
+    """``max |x|`` along ``axis``, NaN if any element is NaN (as torch's ``amax``).
+
+    ``tl.max`` drops NaN (``max.f32`` on a GPU, ``nanmax`` in the interpreter). The bit patterns of
+    non-negative floats order as integers do, and every NaN pattern lies above +inf, so an integer
+    max over ``|x|``'s bits is the NaN-propagating float max, at the cost of a plain max.
+    """
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(bits, axis=axis).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -68,7 +83,8 @@ def satfinite_e4m3(x):
 
 @triton.jit
 def _e4m3_rne_bits(x):
-    """fp32 in [-448, 448] or NaN -> float8_e4m3fn code as uint8, round to nearest even.
+    """fp32 in [-448, 448] or NaN -> float8_e4m3fn code as uint8, round to nearest even; signed
+    zeros keep their sign, every NaN gives 0x7F (arnorm.quant's convention).
 
     Normal range (|x| >= 2**-6): add the RNE bias below the 3 kept mantissa bits, shift, rebias the
     exponent by 127 - 7 = 120 (a mantissa carry moves into the exponent, as it should).
@@ -80,9 +96,8 @@ def _e4m3_rne_bits(x):
     absb = bits & 0x7FFFFFFF
     normal = ((absb + 0x7FFFF + ((absb >> 20) & 1)) >> 20) - (120 << 3)
     sub = (tl.abs(x) * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
-    code = tl.where((absb >> 23) >= 121, normal, sub)
-    code = tl.where(x != x, 0x7F, code) | sign
-    return code.to(tl.uint8)
+    code = tl.where((absb >> 23) >= 121, normal, sub) | sign
+    return tl.where(x != x, 0x7F, code).to(tl.uint8)
 
 
 @triton.jit
@@ -93,14 +108,14 @@ def to_dtype_rne(x, DTYPE: tl.constexpr, SOFT: tl.constexpr):
     448, every kernel in the wild saturates); NaN stays NaN. ``SOFT`` selects integer-bit
     rounding for bf16 and e4m3 (exact in the interpreter); fp16 and fp32 are exact either way.
     """
-    if DTYPE == tl.float32:
+    if tl.float32 == DTYPE:
         return x
-    elif DTYPE == tl.float8e4nv:
+    elif tl.float8e4nv == DTYPE:
         if SOFT:
             return _e4m3_rne_bits(satfinite_e4m3(x)).to(tl.float8e4nv, bitcast=True)
         else:
             return satfinite_e4m3(x).to(tl.float8e4nv)
-    elif DTYPE == tl.bfloat16:
+    elif tl.bfloat16 == DTYPE:
         if SOFT:
             return _bf16_rne(x)
         else:
@@ -111,19 +126,21 @@ def to_dtype_rne(x, DTYPE: tl.constexpr, SOFT: tl.constexpr):
 
 @triton.jit
 def e4m3_bits(x, SOFT: tl.constexpr):
-    """fp32 -> saturated float8_e4m3fn code as uint8 (what the kernel stores).
+    """fp32 -> saturated float8_e4m3fn code as uint8 (what the kernel stores); NaN -> 0x7F.
 
     The soft path never names the fp8 type, so it also compiles where Triton has no float8e4nv.
     """
     if SOFT:
         return _e4m3_rne_bits(satfinite_e4m3(x))
     else:
-        return to_dtype_rne(x, tl.float8e4nv, False).to(tl.uint8, bitcast=True)
+        # cvt gives every NaN as 0x7F too, but the sign of a NaN is not specified anywhere: pin it.
+        code = to_dtype_rne(x, tl.float8e4nv, False).to(tl.uint8, bitcast=True)
+        return tl.where(x != x, 0x7F, code).to(tl.uint8)
 
 
 @triton.jit
 def e4m3_decode(code):
-    """Non-negative, non-NaN float8_e4m3fn code (uint8) -> its exact fp32 value.
+    """Non-negative float8_e4m3fn code (uint8, 0..0x7F) -> its exact fp32 value (0x7F: NaN).
 
     Normal: exponent field e (1..15) rebiased by +120, the 3 mantissa bits placed on top of fp32's
     23; subnormal (e = 0): m * 2**-9.
@@ -133,13 +150,14 @@ def e4m3_decode(code):
     m = c & 0x7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     sub = m.to(tl.float32) * 0.001953125
-    return tl.where(e == 0, sub, normal)
+    nan = tl.full(c.shape, _F32_NAN_BITS, tl.uint32).to(tl.float32, bitcast=True)
+    return tl.where(c == 0x7F, nan, tl.where(e == 0, sub, normal))
 
 
 @triton.jit
 def e2m1_code(v):
     """fp32 -> e2m1 code (uint8, 0..15), round to nearest even onto {0, .5, 1, 1.5, 2, 3, 4, 6},
-    saturating at 6; the sign bit is set for negative inputs (so -0.1 gives -0, 0x8).
+    saturating at 6; the sign bit follows the input's (so -0.0 and -0.1 give -0, 0x8); NaN gives 0.
 
     Each threshold is a midpoint; ``>`` sends its tie down and ``>=`` up, to the even code.
     """
@@ -147,7 +165,8 @@ def e2m1_code(v):
     idx = (a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
     idx += (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
     idx += (a > 5.0).to(tl.uint8)
-    return idx | ((v < 0).to(tl.uint8) << 3)
+    negative = ((v.to(tl.uint32, bitcast=True) >> 31) != 0) & (v == v)
+    return idx | (negative.to(tl.uint8) << 3)
 
 
 @triton.jit
@@ -155,22 +174,23 @@ def ue8m0_round_up(p):
     """Non-negative fp32 ``p`` -> biased E8M0 exponent (uint32) of the smallest power of two >= p.
 
     Normal p: the exponent field, plus one when any mantissa bit is set. Subnormal p: 2**-127
-    (code 0) when p <= 2**-127, else 2**-126 (code 1); p = 0 gives 0. Saturates at 254 (255 is
-    E8M0's NaN), which also catches inf and NaN.
+    (code 0) when p <= 2**-127, else 2**-126 (code 1); p = 0 gives 0. Saturates at 254 (only
+    p = inf reaches it); NaN gives 255, E8M0's NaN.
     """
     bits = p.to(tl.uint32, bitcast=True)
-    exp = bits >> 23
+    exp = (bits >> 23) & 0xFF
     man = bits & 0x7FFFFF
     normal = exp + (man != 0).to(tl.uint32)
     sub = (man > 0x400000).to(tl.uint32)
-    e = tl.where(exp == 0, sub, normal)
-    return tl.minimum(e, 254)
+    e = tl.minimum(tl.where(exp == 0, sub, normal), 254)
+    return tl.where(p != p, 255, e).to(tl.uint32)
 
 
 @triton.jit
 def ue8m0_to_inv_scale(e):
-    """Biased E8M0 exponent e (0..254, uint32) -> 2**(127 - e) as fp32, exactly.
+    """Biased E8M0 exponent e (0..255, uint32) -> 2**(127 - e) as fp32, exactly; 255 (NaN) -> NaN.
 
     The biased fp32 exponent is 254 - e; e = 254 gives 2**-127, an fp32 subnormal (0x00400000).
     """
-    return tl.where(e < 254, (254 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
+    bits = tl.where(e < 254, (254 - e) << 23, 0x400000)
+    return tl.where(e == 255, _F32_NAN_BITS, bits).to(tl.uint32).to(tl.float32, bitcast=True)

@@ -34,7 +34,7 @@ def _child(
         import torch
         import torch.distributed as dist
 
-        if backend == "nccl":
+        if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=_timeout())
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_timeout())
