@@ -1,0 +1,34 @@
+"""The ``aiter`` entry point: a cheap descriptor; the backend module is imported only when probed."""
+
+from __future__ import annotations
+
+from arnorm.plugin import BackendSpec, Capabilities, hookimpl
+
+__all__ = ["CAPABILITIES", "arnorm_backends"]
+
+#: What AITER's fused kernels can serve at all; ``AiterBackend.probe`` adds the version, the GPU
+#: arch and the limits that depend on the quant format.
+CAPABILITIES = Capabilities(
+    platforms=frozenset({"rocm"}),
+    dtypes=frozenset({"bfloat16", "float16"}),
+    quant=frozenset({"none", "fp8_per_token"}),
+    world_sizes=frozenset({2, 4, 8}),
+    hidden_multiple=8,
+    max_hidden=16384,
+)
+
+
+@hookimpl
+def arnorm_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="aiter",
+            priority=200,
+            capabilities=CAPABILITIES,
+            loader="arnorm_aiter._backend:AiterBackend",
+            requires=("aiter",),
+            extra="aiter",
+            distribution="amd-aiter",
+            description="ROCm AITER custom all-reduce fused with residual add + RMSNorm (+ per-token fp8)",
+        )
+    ]
