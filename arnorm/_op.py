@@ -167,6 +167,7 @@ class AllReduceNorm:
         self._max_tokens = max_tokens
         self._needs_scale = needs_scale(quant)
         self._weight_seen: Any = None
+        self._scale_seen: Any = None
         self._f32 = torch.float32
         self._is_compiling = torch.compiler.is_compiling
         self._handle = register_handle(self)
@@ -213,12 +214,7 @@ class AllReduceNorm:
                 and residual is not hidden_states
                 and (weight is self._weight_seen or self._weight_fits(weight))
                 and (
-                    (
-                        scale is not None
-                        and scale.dtype is self._f32
-                        and scale.shape == (1,)
-                        and scale.get_device() == dev
-                    )
+                    (scale is self._scale_seen or self._scale_fits(scale))
                     if self._needs_scale
                     else scale is None
                 )
@@ -243,6 +239,18 @@ class AllReduceNorm:
         )
         if fits:
             self._weight_seen = weight
+        return fits
+
+    def _scale_fits(self, scale: Any) -> bool:
+        # Static scales are one tensor per layer too: checked once, then trusted by identity.
+        fits = bool(
+            scale is not None
+            and scale.dtype is self._f32
+            and scale.shape == (1,)
+            and scale.get_device() == self._dev_index
+        )
+        if fits:
+            self._scale_seen = scale
         return fits
 
     def _dispatch(self, num_tokens: int) -> Any:

@@ -305,3 +305,18 @@ def test_reference_serves_every_format_through_the_quantizers(clean_env, quant):
     assert out.quant.format == quant and out.quant.layout == expect.layout
     assert torch.equal(out.quant.data.view(torch.uint8), expect.data.view(torch.uint8))
     assert torch.equal(out.quant.scale.view(torch.uint8), expect.scale.view(torch.uint8))
+
+
+def test_trusted_weight_and_scale_do_not_hide_new_bad_ones(clean_env):
+    """After a valid call, a different weight or scale tensor is checked again and rejected if wrong."""
+    x, r, w = inputs()
+    s = torch.tensor([0.1])
+    with make(quant="fp8_static") as op:
+        op(x.clone(), r, w, s)
+        with pytest.raises(arnorm.InvalidInputError, match=r"weight: dtype torch.float16"):
+            op(x.clone(), r, w.half(), s)
+        with pytest.raises(arnorm.InvalidInputError, match=r"scale: dtype torch.float64"):
+            op(x.clone(), r, w, s.double())
+        with pytest.raises(arnorm.InvalidInputError, match=r"scale: shape \[2\]"):
+            op(x.clone(), r, w, torch.ones(2))
+        op(x.clone(), r, w, s)
