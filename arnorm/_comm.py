@@ -105,15 +105,19 @@ class Comm:
         return parts
 
     def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-        """Gather ``tensor`` from every rank into ``out`` of shape ``[world_size, *tensor.shape]``."""
+        """Gather ``tensor`` ``[T, ...]`` from every rank into ``out``, rank after rank.
+
+        ``out`` holds ``world_size * T`` rows: ``[world_size, T, ...]`` or ``[world_size * T, ...]``
+        (it is passed on flattened, the one shape gloo and NCCL both accept).
+        """
         import torch.distributed as dist
 
         if self.group is None:
-            out[0].copy_(tensor)
+            out.view(tensor.shape).copy_(tensor)
             return out
         # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, tensor, group=self.group)
+        gather(out.view(-1, *tensor.shape[1:]), tensor, group=self.group)
         return out
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,10 @@ class ConformanceSuite:
     backend: ClassVar[str] = ""
     world_sizes: ClassVar[tuple[int, ...]] = (1, 2)
     shapes: ClassVar[tuple[tuple[int, int], ...]] = ((1, 256), (7, 512), (33, 256))
-    normed_ulps: ClassVar[int] = 1
+    normed_ulps: ClassVar[int] = 1  # bf16 / fp16 outputs
+    # fp32 outputs: the reference's own mean, rsqrt and two products each round in fp32, so any
+    # kernel lands a few fp32 ulps from it (3-4 measured); the contract's 1 ulp is for bf16/fp16.
+    normed_ulps_fp32: ClassVar[int] = 8
     quant_mismatch: ClassVar[float] = 0.0
     quant_max_code_diff: ClassVar[int] = 0  # set to 1 with quant_mismatch for fast-math kernels
 
@@ -126,8 +129,9 @@ class ConformanceSuite:
                 continue
             if not r.residual_equal:
                 failures.append(f"{r.case.id}: residual differs from the contract")
-            if r.normed_ulps > self.normed_ulps:
-                failures.append(f"{r.case.id}: normed {r.normed_ulps} ulp off (allowed {self.normed_ulps})")
+            allowed = self.normed_ulps_fp32 if r.case.dtype == "float32" else self.normed_ulps
+            if r.normed_ulps > allowed:
+                failures.append(f"{r.case.id}: normed {r.normed_ulps} ulp off (allowed {allowed})")
             if r.quant_mismatch > self.quant_mismatch:
                 failures.append(
                     f"{r.case.id}: quant differs in {100 * r.quant_mismatch:.4f}% of codes or in its scales "

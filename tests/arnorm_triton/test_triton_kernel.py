@@ -1,0 +1,152 @@
+"""The triton backend at TP 1, driven directly: every format, dtype and norm against the contract.
+
+Without a CUDA GPU these run in the Triton interpreter on the CPU (small shapes); with one, the same
+tests run the compiled kernels on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton_cases import (
+    DTYPES,
+    VARIANTS,
+    assert_bitwise,
+    assert_quant_equal,
+    check_output,
+    make_backend,
+    make_inputs,
+    make_problem,
+    make_scale,
+    variant_id,
+)
+
+from arnorm.plugin import add_rmsnorm
+from arnorm.quant import quantize, swizzle_128x4
+from arnorm_triton._kernels import _swizzled_offset
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _shape(quant: str | None) -> tuple[int, int]:
+    # nvfp4 / mxfp8 are the slowest in the interpreter: keep them to [T <= 8, H <= 1024].
+    return (5, 512) if quant in ("nvfp4", "mxfp8") else (7, 1000 if quant is None else 1024)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["plain", "gemma"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_tp1_matches_contract(variant, dtype, offset):
+    """Residual bitwise, normed within 1 ulp, quant bitwise equal to quantize(kernel normed)."""
+    quant, layout = variant
+    t, h = _shape(quant)
+    partials, residual, weight = make_inputs(t, h, dtype, weight_offset=offset, device=DEVICE)
+    s = partials[0]
+    scale = make_scale(quant, add_rmsnorm(s, residual, weight, 1e-6, offset)[1])
+    problem = make_problem(h, dtype, quant, layout, weight_offset=offset, device=DEVICE)
+    backend = make_backend(problem)
+    x = s.clone()
+    out = backend(x, residual, weight, scale)
+    assert out.residual is x
+    check_output(out, s, residual, weight, problem, scale)
+
+
+@pytest.mark.parametrize("variant", [("nvfp4", "swizzled_128x4"), ("mxfp8", "linear")], ids=variant_id)
+def test_not_inplace_and_no_normed_output(variant):
+    """inplace=False leaves hidden_states alone; normed_output=False returns no normed but the same quant."""
+    quant, layout = variant
+    partials, residual, weight = make_inputs(3, 256, torch.bfloat16, device=DEVICE)
+    scale = make_scale(quant, add_rmsnorm(partials[0], residual, weight, 1e-6, 0.0)[1])
+    full = make_backend(make_problem(256, torch.bfloat16, quant, layout, inplace=False, device=DEVICE))
+    lean = make_backend(make_problem(256, torch.bfloat16, quant, layout, normed_output=False, device=DEVICE))
+    x = partials[0].clone()
+    a = full(x, residual, weight, scale)
+    assert a.residual is not x and torch.equal(x, partials[0])
+    b = lean(x, residual, weight, scale)
+    assert b.normed is None and b.residual is x and torch.equal(b.residual, a.residual)
+    assert_quant_equal(b.quant, a.quant)
+
+
+def test_swizzled_padding_is_written():
+    """Swizzled scales: the padding rows and columns are written as zeros, not left to the allocator
+    (the outputs are pre-filled with 0x55); on a GPU T = 129 also spans two 128-row tiles."""
+    t = 129 if DEVICE.type == "cuda" else 3  # every interpreted row costs ~0.1 s
+    partials, residual, weight = make_inputs(t, 96, torch.bfloat16, device=DEVICE)
+    scale = make_scale("nvfp4", add_rmsnorm(partials[0], residual, weight, 1e-6, 0.0)[1])
+    problem = make_problem(96, torch.bfloat16, "nvfp4", "swizzled_128x4", max_tokens=256, device=DEVICE)
+    backend = make_backend(problem)
+    alloc = backend._alloc
+
+    def dirty_alloc(t, h_out):
+        outs = alloc(t, h_out)
+        for o in outs[1:3]:
+            o.fill_(0x55)
+        return outs
+
+    backend._alloc = dirty_alloc
+    out = backend(partials[0].clone(), residual, weight, scale)
+    assert out.quant.scale.shape == ((t + 127) // 128 * 128, 8)  # K = 6 scale columns pad to 8
+    check_output(out, partials[0], residual, weight, problem, scale)
+
+
+@triton.jit
+def _offsets_kernel(out_ptr, ROWS: tl.constexpr, KP: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]
+    blk = tl.arange(0, KP)[None, :]
+    tl.store(out_ptr + rows * KP + blk, _swizzled_offset(rows, blk, KP))
+
+
+def test_swizzled_offset_formula_matches_swizzle_128x4():
+    """The in-kernel 128x4 offset of every (m, k) over four row tiles equals arnorm.quant's swizzle."""
+    rows, kp = 512, 8
+    offsets = torch.empty((rows, kp), dtype=torch.int32, device=DEVICE)
+    _offsets_kernel[(1,)](offsets, ROWS=rows, KP=kp)
+    offsets = offsets.cpu().flatten().long()
+    index = torch.arange(rows * kp, dtype=torch.int32).view(rows, kp)
+    for shift in (0, 8):  # the index needs two bytes: check each through the byte-wise swizzle
+        byte = ((index >> shift) & 0xFF).to(torch.uint8)
+        assert torch.equal(swizzle_128x4(byte).flatten()[offsets], byte.flatten())
+
+
+def _edge_rows(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows that hit the quantizers' corners: zeros, huge, tiny, mixed magnitudes, a NaN, an inf."""
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(8, hidden, generator=g)
+    rows[0] = 0.0
+    rows[1] *= 1e4 if dtype != torch.float16 else 1e2
+    rows[2] *= 1e-30 if dtype != torch.float16 else 1e-3
+    rows[3, ::32] *= 1e3  # one large value per 32-block: the rest of each block rounds to zero codes
+    rows[4, 5] = float("nan")
+    rows[5, 9] = float("inf")
+    rows[6] = -rows[6].abs() * 1e-3  # all negative and small: signed zero codes
+    return rows.to(dtype)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, inside the interpreter, on NaN / inf
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v[0] is not None], ids=variant_id)
+def test_edge_rows_quantize_like_the_reference(variant, dtype):
+    """Zero, huge, tiny, NaN and inf rows: codes and scales bitwise equal to quantize(kernel normed)."""
+    quant, layout = variant
+    h = 256
+    x = _edge_rows(h, dtype).to(DEVICE)
+    residual = torch.zeros_like(x)
+    weight = torch.ones(h, dtype=dtype, device=DEVICE)
+    problem = make_problem(h, dtype, quant, layout, device=DEVICE)
+    scale = {"fp8_static": torch.tensor([0.01]), "nvfp4": torch.tensor([1000.0])}.get(quant)
+    scale = None if scale is None else scale.to(DEVICE)
+    out = make_backend(problem)(x.clone(), residual, weight, scale)
+    assert_bitwise(out.residual, x, "residual")
+    assert_quant_equal(out.quant, quantize(out.normed, quant, scale=scale, layout=layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_eps_and_non_power_of_two_hidden(dtype):
+    """A large eps and H = 1000 (masked lanes) still meet the contract."""
+    partials, residual, weight = make_inputs(4, 1000, dtype, device=DEVICE)
+    residual = residual * 0.01
+    problem = make_problem(1000, dtype, "fp8_per_token", eps=0.5, device=DEVICE)
+    out = make_backend(problem)(partials[0].clone() * 0.01, residual, weight, None)
+    check_output(out, partials[0] * 0.01, residual, weight, problem, None)
