@@ -1,4 +1,4 @@
-"""The ``arnorm`` command line: backends, explain, doctor, demo."""
+"""The ``arnorm`` command line: backends, explain, doctor, demo, bench."""
 
 from __future__ import annotations
 
@@ -89,6 +89,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Time every eligible backend against the unfused torch path over a token sweep."""
+    from arnorm._bench import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arnorm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +133,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: NCCL on GPUs when at least --tp are present, else gloo on CPU",
     )
     demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help=cmd_bench.__doc__)
+    bench.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel size (default 2; torchrun: WORLD_SIZE)"
+    )
+    bench.add_argument("--hidden", type=int, default=4096)
+    bench.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    bench.add_argument("--quant", choices=QUANTS, default="none")
+    bench.add_argument("--tokens", default=None, help="comma list (default 1,16,128,1024; GPU: also 8192)")
+    bench.add_argument(
+        "--iters", type=int, default=None, help="timed calls per point (default 20 CPU, 200 GPU)"
+    )
+    bench.add_argument(
+        "--warmup", type=int, default=None, help="untimed calls per point (default 3 CPU, 20 GPU)"
+    )
+    bench.add_argument("--backends", default=None, help="comma list (default: every backend eligible here)")
+    bench.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: NCCL on GPUs when at least --tp are present, else gloo on CPU",
+    )
+    bench.add_argument("--json", default=None, metavar="FILE", help="write every sample as JSON")
+    bench.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="latency vs tokens (needs matplotlib)"
+    )
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -9,7 +9,8 @@ from arnorm._errors import BackendSetupError, InvalidInputError
 from arnorm_flashinfer import _workspace
 from arnorm_flashinfer._api import FlashInferAPI, api_reasons, load
 from arnorm_flashinfer._outputs import OutputPlan
-from arnorm_flashinfer._preflight import decide, local_facts, mnnvl_blocker
+from arnorm_flashinfer._preflight import _join as _join_errors
+from arnorm_flashinfer._preflight import build_modules, decide, local_facts, mnnvl_blocker
 from arnorm_flashinfer._rules import DTYPE_BYTES, static_reasons
 
 if TYPE_CHECKING:
@@ -141,13 +142,18 @@ class FlashInferBackend:
             state = _workspace.cached_state((*base_key, kind))
             if state is not None:
                 cached[kind] = state
-        facts = local_facts(problem, comm, config, api, tuple(reasons), cached)
+        # Two rounds: the cheap facts (topology, memory) first, so that a rejected topology (two
+        # ranks on one GPU, no peer access) never pays the minutes of the JIT build; then the build.
+        facts = local_facts(problem, comm, config, api, tuple(reasons), cached, build=False)
         gathered = comm.gather_objects(facts)
         want_mnnvl = bool(config.flashinfer_mnnvl) and mnnvl_blocker(problem, api) is None
         plan = decide(gathered, problem, want_mnnvl)
         if plan.error is not None:
             raise BackendSetupError(plan.error)
         assert api is not None
+        built = comm.gather_objects(build_modules(api, plan.kind, comm.device))
+        if any(built):
+            raise BackendSetupError(_join_errors(built))
         key = (*base_key, plan.kind)
 
         def factory() -> Any:

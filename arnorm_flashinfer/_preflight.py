@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from arnorm._problem import Problem
     from arnorm_flashinfer._api import FlashInferAPI
 
-__all__ = ["MEMORY_MARGIN", "Facts", "Plan", "decide", "local_facts", "mnnvl_blocker"]
+__all__ = ["MEMORY_MARGIN", "Facts", "Plan", "build_modules", "decide", "local_facts", "mnnvl_blocker"]
 
 #: Free device memory a rank keeps beyond the workspace itself.
 MEMORY_MARGIN = 64 * MIB
@@ -159,6 +159,7 @@ def local_facts(
     api: FlashInferAPI | None,
     reasons: tuple[str, ...],
     cached: dict[str, tuple[int, str, int]],
+    build: bool = True,
 ) -> Facts:
     """This rank's facts; ``reasons`` (static or import problems) become the error. Never raises."""
     host = socket.gethostname()
@@ -180,9 +181,10 @@ def local_facts(
                 elif want_mnnvl:  # no CUDA device (the CPU tests with a fake flashinfer)
                     dev = {"multicast": api.multicast_supported(0) and not api.confidential_compute()}
                 # Build (or load) the JIT modules now: FlashInfer would build inside the collective.
-                api.build_module("trtllm")
-                if dev.get("multicast"):
-                    api.build_module("mnnvl")
+                if build:
+                    api.build_module("trtllm")
+                    if dev.get("multicast"):
+                        api.build_module("mnnvl")
         except Exception as exc:  # JIT, driver or NVML failure: reported, agreed on, raised everywhere
             error = _setup_error(exc)
     return Facts(
@@ -197,6 +199,18 @@ def local_facts(
         peers=dev.get("peers", {}),
         cached=cached,
     )
+
+
+def build_modules(api: FlashInferAPI, kind: str, device: Any) -> str | None:
+    """Build (or load) the JIT modules ``kind`` needs here; the error text, or ``None``. Never raises."""
+    try:
+        with _on(device):
+            api.build_module("trtllm")
+            if kind == "mnnvl":
+                api.build_module("mnnvl")
+    except Exception as exc:  # JIT or driver failure: gathered and raised on every rank
+        return _setup_error(exc)
+    return None
 
 
 def _setup_error(exc: BaseException) -> str:

@@ -30,7 +30,9 @@ def quantize_fp8_per_token(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """
     y32 = y.float()
     amax = y32.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / E4M3_MAX).clamp_min(F32_MIN_TOKEN_SCALE)
+    # A tensor divisor: torch on CUDA turns division by a Python scalar into a multiply by its
+    # (rounded) reciprocal, which is not the correctly rounded amax / 448 the format defines.
+    scale = (amax / torch.full_like(amax, E4M3_MAX)).clamp_min(F32_MIN_TOKEN_SCALE)
     return e4m3_encode(y32 / scale).view(torch.float8_e4m3fn), scale
 
 

@@ -390,9 +390,11 @@ class FakeComm:
         self.gathers: list[list[Any]] = []
 
     def gather_objects(self, obj: Any) -> list[Any]:
-        out = [
-            obj if r == self.rank or self.peer is None else self.peer(obj, r) for r in range(self.world_size)
-        ]
+        # ``peer`` rewrites the facts round; the JIT-build round (None or a message) is echoed.
+        import dataclasses
+
+        rewrite = self.peer is not None and dataclasses.is_dataclass(obj)
+        out = [self.peer(obj, r) if rewrite and r != self.rank else obj for r in range(self.world_size)]
         self.gathers.append(out)
         return out
 

@@ -57,7 +57,7 @@ def test_create_passes_the_tp_group_and_a_comm_backend_on_its_cpu_twin(fake_fi, 
     assert "gpus_per_node" not in kw and kw["_positional"] == ()
     # The JIT module is built before the collective creation, never inside it.
     assert fake_fi.events == ["build:trtllm", "create:trtllm"]
-    assert len(comm.gathers) == 1  # one agreement round
+    assert len(comm.gathers) == 2  # topology agreed first, then the JIT build results
     assert backend.kind == "trtllm" and backend.capacity == 64
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -407,8 +408,10 @@ def test_cuda_matches_cpu_bitwise_without_host_sync(fmt: str, scaled: bool, layo
     y_gpu = torch.from_numpy(y).cuda()
     scale_gpu = None if scale is None else scale.cuda()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sync debug mode is a prototype feature"
+            torch.cuda.set_sync_debug_mode("error")
         gpu = quantize(y_gpu, fmt, scale=scale_gpu, layout=layout)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -1,0 +1,443 @@
+"""``arnorm bench``: every eligible backend against the unfused torch path, over a token sweep.
+
+For one problem (TP size, hidden size, dtype, quant format) it times, per token count:
+
+- ``baseline``: what an engine writes by hand: ``torch.distributed.all_reduce`` of the partial in
+  place, then add + RMSNorm in torch (:func:`arnorm.plugin.add_rmsnorm`), then the quantizer of
+  :mod:`arnorm.quant` when a format is set;
+- each backend through ``arnorm.AllReduceNorm(..., backend=name)`` (strict). By default: every
+  backend a local explain finds eligible here; a requested backend that is not eligible, or fails
+  to build, is reported with its reasons and not timed.
+
+Ranks are spawned with :func:`arnorm.testing.run_ranks` (gloo on CPU, NCCL when at least ``--tp``
+GPUs exist); under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the
+bench runs in-process on every rank and rank 0 prints. Every iteration restores the partial,
+synchronizes the device, waits on a barrier, then times one call: CUDA events on a GPU,
+``time.perf_counter`` on CPU. A sample is the slowest rank's time for that iteration; the table
+shows the median and p10-p90 in microseconds, the speed-up over the baseline, and the backend auto
+mode picks for each token count (``op.backend_for(T)`` of one auto-mode op).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from arnorm._problem import Problem
+
+__all__ = ["combine", "parse_tokens", "percentile", "render_table", "run", "select_backends", "write_plot"]
+
+BASELINE = "baseline"
+EPS = 1e-6
+#: Dequant scale (fp8_static) or global encode scale (nvfp4) used for the timed calls.
+SCALES = {"fp8_static": 0.02, "nvfp4": 448 * 6 / 8.0}
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: The token sweep when ``--tokens`` is not given, by "on a GPU".
+DEFAULT_TOKENS = {False: "1,16,128,1024", True: "1,16,128,1024,8192"}
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``"1,16,128"`` -> ``[1, 16, 128]`` (sorted, deduplicated); raises on anything but positive ints."""
+    from arnorm._errors import InvalidInputError
+
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise InvalidInputError(f"tokens: {text!r} (needs a comma list of positive ints, e.g. 1,16,128)")
+    return values
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between the closest ranks."""
+    s = sorted(samples)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+class Progress:
+    """A one-line progress bar on stderr (``[#####.....] 5/10 label``), redrawn in place."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 30) -> None:
+        self.total, self.enabled, self.width, self.done = max(total, 1), enabled, width, 0
+
+    def advance(self, label: str, steps: int = 1) -> None:
+        self.done += steps
+        if self.enabled:
+            filled = self.width * self.done // self.total
+            bar = "#" * filled + "." * (self.width - filled)
+            sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {label:<28}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def make_problem(tp: int, hidden: int, dtype: str, quant: str | None, max_tokens: int, cuda: bool) -> Problem:
+    """The :class:`~arnorm.plugin.Problem` every rank builds (device ``cuda:0`` or ``cpu``)."""
+    import torch
+
+    from arnorm._op import _platform
+    from arnorm._problem import Problem
+    from arnorm.quant import check_format
+
+    layout = check_format(quant, None, hidden) if quant else None
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    platform, arch, gfx = _platform(device)
+    return Problem(
+        tp, hidden, dtype, EPS, 0.0, quant, layout, max_tokens, True, True, device.type, platform, arch, gfx
+    )
+
+
+def select_backends(problem: Problem, names: Sequence[str] | None) -> tuple[list[str], dict[str, list[str]]]:
+    """``(backends to time, {not eligible: reasons})`` from a local explain (no collective).
+
+    ``names=None``: every registered backend eligible for ``problem`` here, highest priority
+    first (``ARNORM_DISABLE`` respected); else exactly ``names``, in that order.
+    """
+    from arnorm._config import Config
+    from arnorm._discovery import get_registry
+    from arnorm._select import Preference, check_locally
+
+    if names is None:
+        pref = Preference(None, "auto", tuple(Config().disable))
+    else:
+        pref = Preference(tuple(names), "--backends")
+    verdicts = check_locally(problem, get_registry(), pref)
+    order = list(verdicts)
+    if names is None:
+        order.sort(key=lambda n: (verdicts[n][0] is None, -(verdicts[n][0] or 0), n))
+    eligible = [n for n in order if not verdicts[n][1]]
+    rejected = {n: list(verdicts[n][1]) for n in order if verdicts[n][1] and names is not None}
+    return eligible, rejected
+
+
+def _reasons(exc: BaseException) -> list[str]:
+    """The reasons inside an arnorm error (its explanation rows), else its first line."""
+    text = str(exc)
+    found = [m.group(1).strip() for m in re.finditer(r"\brejected\s+(.+)$", text, re.M)]
+    return found or [f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"]
+
+
+def _unfused(
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    *,
+    quant: str | None,
+    layout: str | None,
+) -> Any:
+    """The hand-written path: all_reduce (in place, in the dtype), add + RMSNorm, quantize."""
+    import torch.distributed as dist
+
+    from arnorm.plugin import add_rmsnorm, quantize_output
+
+    dist.all_reduce(partial)
+    h, y = add_rmsnorm(partial, residual, weight, EPS, 0.0)
+    return h, y, quantize_output(y, quant, scale, layout)
+
+
+def _time(
+    fn: Callable[..., Any], args: tuple[Any, ...], source: torch.Tensor, opts: dict[str, Any], sync: Any
+) -> list[float]:
+    """Microseconds per call of ``fn(*args)``; first ``args[0]`` (the partial) is restored from
+    ``source``, then ``sync()`` waits for the device and every rank."""
+    import torch
+
+    samples: list[float] = []
+    warmup, cuda = opts["warmup"], opts["cuda"]
+    for i in range(warmup + opts["iters"]):
+        args[0].copy_(source)
+        sync()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            us = start.elapsed_time(end) * 1e3
+        else:
+            t0 = time.perf_counter()
+            fn(*args)
+            us = (time.perf_counter() - t0) * 1e6
+        if i >= warmup:
+            samples.append(us)
+    return samples
+
+
+def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """One rank: the auto-mode picks, then the baseline and every backend over the token sweep."""
+    import torch
+    import torch.distributed as dist
+
+    import arnorm
+    from arnorm.quant import default_layout
+
+    cuda: bool = opts["cuda"]
+    if not cuda and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(
+            max(1, (os.cpu_count() or 1) // world)
+        )  # ranks share the cores, as torchrun does
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = getattr(torch, opts["dtype"])
+    hidden, tokens, quant = int(opts["hidden"]), list(opts["tokens"]), opts["quant"]
+    max_t = max(tokens)
+    norm = arnorm.RMSNorm(eps=EPS, weight_offset=0.0)
+    common = dict(hidden_size=hidden, dtype=dtype, norm=norm, quant=quant, max_tokens=max_t, device=device)
+    g = torch.Generator().manual_seed(1000 + rank)
+    partial = torch.randn(max_t, hidden, generator=g).to(dtype).to(device)
+    residual = torch.randn(max_t, hidden, generator=g).to(dtype).to(device)
+    weight = (torch.randn(hidden, generator=g) * 0.1).to(dtype).to(device)
+    scale = torch.tensor([SCALES[quant]], device=device) if quant in SCALES else None
+    cpu_group = None if str(dist.get_backend()) == "gloo" else dist.new_group(backend="gloo")
+
+    def barrier() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=cpu_group)
+
+    auto: dict[str, str] = {}
+    auto_error: list[str] = []
+    try:
+        with arnorm.AllReduceNorm(**common) as op:
+            for t in tokens:
+                try:
+                    auto[str(t)] = op.backend_for(t)
+                except arnorm.ArnormError as exc:
+                    auto[str(t)] = "-"
+                    auto_error = _reasons(exc)
+    except arnorm.ArnormError as exc:
+        auto_error = _reasons(exc)
+
+    names: list[str] = list(opts["backends"])
+    progress = Progress(len(tokens) * (1 + len(names)), rank == 0 and opts["progress"])
+    results: list[dict[str, Any]] = []
+    rejected: dict[str, list[str]] = {}
+    layout = default_layout(quant) if quant else None
+    baseline = functools.partial(_unfused, quant=quant, layout=layout)
+
+    def sweep(name: str, fn: Callable[..., Any], op: Any) -> None:
+        for t in tokens:
+            progress.advance(f"{name} T={t}")
+            entry: dict[str, Any] = {"backend": name, "tokens": t, "samples_us": [], "error": None}
+            served = op.explain(t) if op is not None else None
+            if served is not None and served.token_backend is None:
+                entry["error"] = "; ".join(r for _, rs in served.token_reasons for r in rs)
+            else:
+                args = (torch.empty_like(partial[:t]), residual[:t].contiguous(), weight, scale)
+                entry["samples_us"] = _time(fn, args, partial[:t], opts, barrier)
+            results.append(entry)
+
+    sweep(BASELINE, baseline, None)
+    for name in names:
+        try:
+            op = arnorm.AllReduceNorm(**common, backend=name)
+        except arnorm.ArnormError as exc:
+            rejected[name] = _reasons(exc)
+            progress.advance(f"{name}: not eligible", len(tokens))
+            continue
+        try:
+            sweep(name, op, op)
+        finally:
+            op.close()
+    progress.close()
+    return {"auto": auto, "auto_error": auto_error, "results": results, "rejected": rejected}
+
+
+def combine(per_rank: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """One report: per iteration the slowest rank, then median, p10, p90 and speed-up per point."""
+    first = per_rank[0]
+    rows = []
+    for i, entry in enumerate(first["results"]):
+        per = [r["results"][i]["samples_us"] for r in per_rank]
+        samples = [max(v) for v in zip(*per, strict=True)]
+        row = {"backend": entry["backend"], "tokens": entry["tokens"], "error": entry["error"]}
+        for key, q in (("median_us", 50), ("p10_us", 10), ("p90_us", 90)):
+            row[key] = percentile(samples, q) if samples else None
+        row.update(samples_us=samples, rank_samples_us=per)
+        rows.append(row)
+    base = {r["tokens"]: r.get("median_us") for r in rows if r["backend"] == BASELINE}
+    for r in rows:
+        b = base.get(r["tokens"])
+        r["speedup"] = b / r["median_us"] if b and r["median_us"] else None
+    rejected = dict(meta.pop("rejected"))
+    for r in per_rank:
+        rejected.update(r["rejected"])
+    timed = [n for n in meta["backends"] if n not in rejected]
+    extra = {"timed": timed, "rejected": rejected, "auto": first["auto"], "auto_error": first["auto_error"]}
+    return {**meta, **extra, "results": rows}
+
+
+def _fmt(us: float) -> str:
+    return f"{us:.0f}" if us >= 100 else f"{us:.1f}" if us >= 10 else f"{us:.2f}"
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The report as a markdown table, one row per (token count, backend), plus what was not timed."""
+    head = (
+        f"arnorm bench: tp={report['tp']} hidden={report['hidden']} {report['dtype']} "
+        f"quant={report['quant'] or 'none'} on {report['device']} ({report['comm']}); "
+        f"{report['iters']} iterations after {report['warmup']} warm-up per point\n"
+        f"latency per call in us: median and p10-p90 over iterations, each the slowest rank's time"
+    )
+    rows = [("tokens", "backend", "median us", "p10-p90 us", "vs baseline", "auto")]
+    order = [BASELINE, *report["backends"]]
+    for r in sorted(report["results"], key=lambda r: (r["tokens"], order.index(r["backend"]))):
+        if r["samples_us"]:
+            cells = (_fmt(r["median_us"]), f"{_fmt(r['p10_us'])}-{_fmt(r['p90_us'])}")
+            speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        else:
+            cells, speed = ("n/a", r["error"] or "-"), "-"
+        picked = "<- auto" if report["auto"].get(str(r["tokens"])) == r["backend"] else ""
+        rows.append((str(r["tokens"]), r["backend"], *cells, speed, picked))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    right = (True, False, True, False, True, False)
+    lines = [head, ""]
+    for k, row in enumerate(rows):
+        padded = [c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(row, widths, right, strict=True)]
+        lines.append("| " + " | ".join(padded) + " |")
+        if k == 0:
+            dashes = ["-" * (w - 1) + ":" if rj else "-" * w for w, rj in zip(widths, right, strict=True)]
+            lines.append("| " + " | ".join(dashes) + " |")
+    picks = ", ".join(f"T={t}: {n}" for t, n in report["auto"].items())
+    lines.append("")
+    lines.append(f"auto mode picks: {picks or 'nothing'}")
+    lines.extend(f"auto mode: {r}" for r in report["auto_error"])
+    for name, reasons in report["rejected"].items():
+        lines.append(f"not timed: {name}: " + "; ".join(reasons))
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    """Median latency against tokens (log-log), p10-p90 shaded; one line per backend plus the baseline."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name in [BASELINE, *report["timed"]]:
+        pts = [r for r in report["results"] if r["backend"] == name and r["samples_us"]]
+        if not pts:
+            continue
+        t = [r["tokens"] for r in pts]
+        style: dict[str, Any] = {"color": "black", "linestyle": "--"} if name == BASELINE else {}
+        (line,) = ax.plot(t, [r["median_us"] for r in pts], marker="o", label=name, **style)
+        ax.fill_between(
+            t, [r["p10_us"] for r in pts], [r["p90_us"] for r in pts], color=line.get_color(), alpha=0.15
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(report["tokens"], labels=[str(t) for t in report["tokens"]])
+    ax.set_xticks([], minor=True)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("latency per call (us, median; p10-p90 shaded)")
+    ax.set_title(
+        f"arnorm bench: TP {report['tp']}, H {report['hidden']}, {report['dtype']}, "
+        f"quant {report['quant'] or 'none'}, {report['device']}"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _in_process(opts: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """Under torchrun: join (or reuse) the env:// group, run this rank, gather every rank's result."""
+    import torch
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        if opts["cuda"]:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if opts["cuda"] else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = _rank_main(rank, world, opts)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    return rank, gathered
+
+
+def run(args: argparse.Namespace) -> int:
+    """``arnorm bench``; exit status 0: something was timed, 1: no backend could be, 2: usage."""
+    import torch
+
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("arnorm bench: --plot needs matplotlib: pip install 'arnorm[plot]'", file=sys.stderr)
+        return 2
+    if args.hidden < 1 or (args.iters is not None and args.iters < 1) or (args.warmup or 0) < 0:
+        print("arnorm bench: --hidden and --iters need values >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
+    torchrun = all(v in os.environ for v in TORCHRUN_VARS)
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.tp or 2)
+    if args.tp is not None and args.tp != world:
+        print(f"arnorm bench: --tp {args.tp} differs from torchrun's WORLD_SIZE {world}", file=sys.stderr)
+        return 2
+    has_cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not has_cuda:
+        print("arnorm bench: --device cuda but no GPU is visible", file=sys.stderr)
+        return 2
+    n_gpu = torch.cuda.device_count() if has_cuda else 0
+    cuda = args.device == "cuda" or (args.device == "auto" and has_cuda and (torchrun or n_gpu >= world))
+    tokens = parse_tokens(args.tokens or DEFAULT_TOKENS[cuda])
+    quant = None if args.quant == "none" else args.quant
+    problem = make_problem(world, args.hidden, args.dtype, quant, max(tokens), cuda)
+    names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else None
+    backends, rejected = select_backends(problem, names)
+    comm = "nccl" if cuda and (n_gpu >= world or torchrun) else "gloo"
+    opts: dict[str, Any] = {
+        "tp": world,
+        "hidden": args.hidden,
+        "dtype": args.dtype,
+        "quant": quant,
+        "tokens": tokens,
+        "iters": args.iters or (200 if cuda else 20),
+        "warmup": args.warmup if args.warmup is not None else (20 if cuda else 3),
+        "backends": backends,
+        "cuda": cuda,
+        "progress": True,
+    }
+    if torchrun:
+        rank, per_rank = _in_process(opts)
+        if rank != 0:
+            return 0
+    else:
+        from arnorm.testing import run_ranks
+
+        per_rank = run_ranks(world, _rank_main, opts, backend=comm)
+    meta = {k: opts[k] for k in ("tp", "hidden", "dtype", "quant", "tokens", "iters", "warmup")}
+    meta.update(device="cuda" if cuda else "cpu", comm=comm, launcher="torchrun" if torchrun else "spawn")
+    meta.update(backends=backends if names is None else names, rejected=rejected)
+    meta["timing"] = "CUDA events" if cuda else "time.perf_counter"
+    report = combine(per_rank, meta)
+    print(render_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if report["timed"] else 1
