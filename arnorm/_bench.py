@@ -155,7 +155,11 @@ def _unfused(
 
 
 def _time(
-    fn: Callable[..., Any], args: tuple[Any, ...], source: torch.Tensor, opts: dict[str, Any], sync: Any
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    source: torch.Tensor,
+    opts: dict[str, Any],
+    sync: Callable[[], None],
 ) -> list[float]:
     """Microseconds per call of ``fn(*args)``; first ``args[0]`` (the partial) is restored from
     ``source``, then ``sync()`` waits for the device and every rank."""
@@ -191,10 +195,8 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     from arnorm.quant import default_layout
 
     cuda: bool = opts["cuda"]
-    if not cuda and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(
-            max(1, (os.cpu_count() or 1) // world)
-        )  # ranks share the cores, as torchrun does
+    if not cuda and "OMP_NUM_THREADS" not in os.environ:  # ranks share the cores, as under torchrun
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = getattr(torch, opts["dtype"])
     hidden, tokens, quant = int(opts["hidden"]), list(opts["tokens"]), opts["quant"]
@@ -227,7 +229,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         auto_error = _reasons(exc)
 
     names: list[str] = list(opts["backends"])
-    progress = Progress(len(tokens) * (1 + len(names)), rank == 0 and opts["progress"])
+    progress = Progress(len(tokens) * (1 + len(names)), rank == 0)
     results: list[dict[str, Any]] = []
     rejected: dict[str, list[str]] = {}
     layout = default_layout(quant) if quant else None
@@ -241,7 +243,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             if served is not None and served.token_backend is None:
                 entry["error"] = "; ".join(r for _, rs in served.token_reasons for r in rs)
             else:
-                args = (torch.empty_like(partial[:t]), residual[:t].contiguous(), weight, scale)
+                args = (torch.empty_like(partial[:t]), residual[:t], weight, scale)
                 entry["samples_us"] = _time(fn, args, partial[:t], opts, barrier)
             results.append(entry)
 
@@ -261,7 +263,9 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     return {"auto": auto, "auto_error": auto_error, "results": results, "rejected": rejected}
 
 
-def combine(per_rank: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+def combine(
+    per_rank: list[dict[str, Any]], meta: dict[str, Any], rejected: dict[str, list[str]]
+) -> dict[str, Any]:
     """One report: per iteration the slowest rank, then median, p10, p90 and speed-up per point."""
     first = per_rank[0]
     rows = []
@@ -277,7 +281,7 @@ def combine(per_rank: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     for r in rows:
         b = base.get(r["tokens"])
         r["speedup"] = b / r["median_us"] if b and r["median_us"] else None
-    rejected = dict(meta.pop("rejected"))
+    rejected = dict(rejected)
     for r in per_rank:
         rejected.update(r["rejected"])
     timed = [n for n in meta["backends"] if n not in rejected]
@@ -293,8 +297,8 @@ def render_table(report: dict[str, Any]) -> str:
     """The report as a markdown table, one row per (token count, backend), plus what was not timed."""
     head = (
         f"arnorm bench: tp={report['tp']} hidden={report['hidden']} {report['dtype']} "
-        f"quant={report['quant'] or 'none'} on {report['device']} ({report['comm']}); "
-        f"{report['iters']} iterations after {report['warmup']} warm-up per point\n"
+        f"quant={report['quant'] or 'none'} on {report['device']} ({report['comm']}, {report['launcher']}); "
+        f"{report['iters']} timed + {report['warmup']} warm-up calls per point\n"
         f"latency per call in us: median and p10-p90 over iterations, each the slowest rank's time"
     )
     rows = [("tokens", "backend", "median us", "p10-p90 us", "vs baseline", "auto")]
@@ -415,9 +419,13 @@ def run(args: argparse.Namespace) -> int:
         "tokens": tokens,
         "iters": args.iters or (200 if cuda else 20),
         "warmup": args.warmup if args.warmup is not None else (20 if cuda else 3),
+        "requested": names,
         "backends": backends,
         "cuda": cuda,
-        "progress": True,
+        "device": "cuda" if cuda else "cpu",
+        "comm": comm,
+        "launcher": "torchrun" if torchrun else "spawned ranks",
+        "timing": "CUDA events" if cuda else "time.perf_counter",
     }
     if torchrun:
         rank, per_rank = _in_process(opts)
@@ -427,11 +435,7 @@ def run(args: argparse.Namespace) -> int:
         from arnorm.testing import run_ranks
 
         per_rank = run_ranks(world, _rank_main, opts, backend=comm)
-    meta = {k: opts[k] for k in ("tp", "hidden", "dtype", "quant", "tokens", "iters", "warmup")}
-    meta.update(device="cuda" if cuda else "cpu", comm=comm, launcher="torchrun" if torchrun else "spawn")
-    meta.update(backends=backends if names is None else names, rejected=rejected)
-    meta["timing"] = "CUDA events" if cuda else "time.perf_counter"
-    report = combine(per_rank, meta)
+    report = combine(per_rank, {k: v for k, v in opts.items() if k != "cuda"}, rejected)
     print(render_table(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -39,6 +39,8 @@ class Config(BaseSettings):
     ``triton_exact``            ``ARNORM_TRITON_EXACT``                                 False
     ``flashinfer_mnnvl``        ``ARNORM_FLASHINFER_MNNVL``                             False
     ``flashinfer_max_size_mb``  ``ARNORM_FLASHINFER_MAX_SIZE_MB``                       table
+    ``flashinfer_shared_gpu``   ``ARNORM_FLASHINFER_SHARED_GPU`` (testing: ranks may     False
+                                share one GPU; checks correctness, not speed)
     ==========================  ======================================================  =========
     """
 
@@ -53,6 +55,11 @@ class Config(BaseSettings):
     )
     flashinfer_mnnvl: bool = Field(
         default=False, description="flashinfer: allow the MNNVL (multicast) workspace."
+    )
+    flashinfer_shared_gpu: bool = Field(
+        default=False,
+        description="flashinfer, for testing on one GPU: let ranks share a GPU (FlashInfer's IPC "
+        "workspace works there; the timing means nothing).",
     )
     flashinfer_max_size_mb: float | None = Field(
         default=None,

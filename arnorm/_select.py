@@ -18,6 +18,7 @@ from arnorm._capabilities import check_capabilities, join_or
 from arnorm._config import Config, parse_names
 from arnorm._discovery import Registry
 from arnorm._errors import (
+    ArnormError,
     BackendBrokenError,
     BackendNotInstalledError,
     BackendSetupError,
@@ -189,6 +190,8 @@ def select(
         instance, error = None, ""
         try:
             instance = spec.load().create(problem, comm, config)  # type: ignore[union-attr]
+        except ArnormError as exc:  # the backend's own reason, already in the grammar
+            error = f"setup: {exc}"
         except Exception as exc:  # setup of a third-party backend may raise anything
             error = f"setup: {type(exc).__name__}: {exc} (needs a successful workspace build on every rank)"
         errors = comm.gather_objects(error)

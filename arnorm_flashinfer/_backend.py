@@ -147,7 +147,7 @@ class FlashInferBackend:
         facts = local_facts(problem, comm, config, api, tuple(reasons), cached, build=False)
         gathered = comm.gather_objects(facts)
         want_mnnvl = bool(config.flashinfer_mnnvl) and mnnvl_blocker(problem, api) is None
-        plan = decide(gathered, problem, want_mnnvl)
+        plan = decide(gathered, problem, want_mnnvl, shared_gpu=bool(config.flashinfer_shared_gpu))
         if plan.error is not None:
             raise BackendSetupError(plan.error)
         assert api is not None

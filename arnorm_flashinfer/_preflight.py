@@ -225,7 +225,7 @@ def _join(per_rank: list[str | None]) -> str:
     return "; ".join(f"rank {r}: {e}" for r, e in found)
 
 
-def decide(facts: list[Facts], problem: Problem, want_mnnvl: bool) -> Plan:
+def decide(facts: list[Facts], problem: Problem, want_mnnvl: bool, shared_gpu: bool = False) -> Plan:
     """The plan every rank follows, from every rank's facts (pure: same input, same plan)."""
     if any(f.error for f in facts):
         return Plan(_join([f.error for f in facts]))
@@ -243,7 +243,7 @@ def decide(facts: list[Facts], problem: Problem, want_mnnvl: bool) -> Plan:
     for r, f in enumerate(facts):
         if f.gpu is None:
             continue
-        if f.gpu in owner:
+        if f.gpu in owner and not shared_gpu:
             return Plan(f"devices: ranks {owner[f.gpu]} and {r} share GPU {f.gpu} (needs one GPU per rank)")
         owner[f.gpu] = r
     blocked = [

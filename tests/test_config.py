@@ -25,6 +25,7 @@ def test_every_field_has_its_variable(clean_env):
         "triton_exact": "true",
         "flashinfer_mnnvl": "true",
         "flashinfer_max_size_mb": "3.5",
+        "flashinfer_shared_gpu": "1",
     }
     for field, value in values.items():
         clean_env.setenv(f"ARNORM_{field.upper()}", value)
@@ -37,6 +38,7 @@ def test_every_field_has_its_variable(clean_env):
         True,
         3.5,
     )
+    assert c.flashinfer_shared_gpu
 
 
 def test_precedence_argument_config_env_auto(clean_env):

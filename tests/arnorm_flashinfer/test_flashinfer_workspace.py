@@ -186,6 +186,8 @@ def test_decide_refuses_shared_gpus_missing_peer_access_and_short_memory():
     problem = make_problem(hidden_size=4096)
     shared = decide([facts(gpu="g0"), facts(gpu="g0")], problem, False)
     assert shared.error == "devices: ranks 0 and 1 share GPU g0 (needs one GPU per rank)"
+    # Config.flashinfer_shared_gpu (testing on one GPU) lets them through.
+    assert decide([facts(gpu="g0"), facts(gpu="g0")], problem, False, shared_gpu=True).error is None
     no_p2p = decide(
         [facts(gpu="g0", peers={"g1": False}), facts(gpu="g1", peers={"g0": True})], problem, False
     )
