@@ -111,12 +111,12 @@ def select_backends(problem: Problem, names: Sequence[str] | None) -> tuple[list
     ``names=None``: every registered backend eligible for ``problem`` here, highest priority
     first (``ARNORM_DISABLE`` respected); else exactly ``names``, in that order.
     """
-    from arnorm._config import Config
+    from arnorm._config import load_config
     from arnorm._discovery import get_registry
     from arnorm._select import Preference, check_locally
 
     if names is None:
-        pref = Preference(None, "auto", tuple(Config().disable))
+        pref = Preference(None, "auto", tuple(load_config().disable))
     else:
         pref = Preference(tuple(names), "--backends")
     verdicts = check_locally(problem, get_registry(), pref)

@@ -66,13 +66,17 @@ def _problem_from_args(args: argparse.Namespace) -> object:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     """Which backend this machine would choose for a problem, and every rejection (no collective)."""
-    from arnorm._config import Config
+    from arnorm._config import load_config
     from arnorm._discovery import get_registry
     from arnorm._select import Preference, explain_locally
 
     problem = _problem_from_args(args)
-    expl = explain_locally(problem, get_registry(), Preference.resolve(args.backend, Config()))  # type: ignore[arg-type]
+    expl = explain_locally(problem, get_registry(), Preference.resolve(args.backend, load_config()))  # type: ignore[arg-type]
     print(expl)
+    print("formats each backend declares:")
+    for info in get_registry().infos():
+        if info.spec is not None:
+            print(f"  {info.name:<11} {', '.join(sorted(info.spec.capabilities.quant))}")
     return 0 if expl.chain else 1
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Config", "parse_names"]
+__all__ = ["Config", "load_config", "parse_names"]
 
 
 def parse_names(value: object) -> tuple[str, ...]:
@@ -65,3 +65,33 @@ class Config(BaseSettings):
         default=None,
         description="flashinfer: per-rank input budget in MiB; None uses the per-GPU table.",
     )
+
+
+#: ARNORM_* variables that are not Config fields but are read elsewhere (tests' rank timeout).
+_OTHER_VARIABLES = frozenset({"ARNORM_TEST_TIMEOUT"})
+
+
+def load_config() -> Config:
+    """``Config()`` from the environment, with a :class:`ConfigError` naming the variable on bad input.
+
+    An ``ARNORM_*`` variable that matches no field is reported with a warning: a misspelt
+    ``ARNORM_BACKENDS`` would otherwise be ignored in silence.
+    """
+    import os
+    import warnings
+
+    from pydantic import ValidationError
+
+    from arnorm._errors import ConfigError
+
+    known = {f"ARNORM_{name.upper()}" for name in Config.model_fields} | _OTHER_VARIABLES
+    for key in sorted(k for k in os.environ if k.startswith("ARNORM_") and k not in known):
+        warnings.warn(f"{key}: not an arnorm setting (needs one of {', '.join(sorted(known))})", stacklevel=3)
+    try:
+        return Config()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first.get("loc") else "?"
+        var = f"ARNORM_{field.upper()}"
+        msg = f"{var}: {os.environ.get(var)!r} ({first['msg'].lower()}; needs a valid Config.{field})"
+        raise ConfigError(msg) from None

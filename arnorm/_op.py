@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from arnorm._comm import Comm
-from arnorm._config import Config
+from arnorm._config import Config, load_config
 from arnorm._custom_op import call_custom_op, register_handle, unregister_handle
 from arnorm._discovery import get_registry
 from arnorm._errors import InvalidInputError, NoEligibleBackendError
@@ -135,7 +135,7 @@ class AllReduceNorm:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        config = Config() if config is None else config
+        config = load_config() if config is None else config
         comm = Comm.resolve(group, device, cpu_group)
         platform, arch, gfx = _platform(device)
         self._problem = Problem(

@@ -156,21 +156,23 @@ def _raise_none_eligible(
     raise NoEligibleBackendError(msg)
 
 
-def _check_agreement(comm: Comm, problem: Problem, pref: Preference) -> None:
-    """Every rank must describe the same problem and the same preference."""
-    seen = comm.gather_objects((problem, pref.names, pref.source))
-    if all(s == seen[0] for s in seen):
+def _check_agreement(comm: Comm, problem: Problem, pref: Preference, config: Config) -> None:
+    """Every rank must describe the same problem, preference and backend options.
+
+    ``disable`` may differ (the eligibility AND absorbs it); everything else decides which
+    collective runs, so a difference raises the same error on every rank.
+    """
+    mine: dict[str, Any] = {f: getattr(problem, f) for f in Problem.__dataclass_fields__}
+    mine["backend preference"] = (pref.names, pref.source)
+    mine.update({f"Config.{k}": v for k, v in config.model_dump().items() if k != "disable"})
+    seen = comm.gather_objects(mine)
+    differ = [k for k in mine if any(s[k] != seen[0][k] for s in seen)]
+    if not differ:
         return
-    fields = [f for f in Problem.__dataclass_fields__ if len({getattr(s[0], f) for s in seen}) > 1]
-    if any(s[1:] != seen[0][1:] for s in seen):
-        fields.append("backend preference")
-    detail = "; ".join(
-        f"rank {r}: " + ", ".join(f"{f}={getattr(s[0], f, s[1:])!r}" for f in fields)
-        for r, s in enumerate(seen)
-    )
+    detail = "; ".join(f"rank {r}: " + ", ".join(f"{k}={s[k]!r}" for k in differ) for r, s in enumerate(seen))
     msg = (
-        f"ranks disagree on {', '.join(fields)} ({detail}) "
-        "(needs the same arguments and ARNORM_BACKEND on every rank)"
+        f"ranks disagree on {', '.join(differ)} ({detail}) "
+        "(needs the same arguments, ARNORM_BACKEND and Config on every rank)"
     )
     raise InvalidInputError(msg)
 
@@ -179,7 +181,7 @@ def select(
     problem: Problem, comm: Comm, config: Config, pref: Preference, registry: Registry
 ) -> tuple[Explanation, list[FusedAllReduceNorm]]:
     """Choose and build the backends of one op, identically on every rank (collective)."""
-    _check_agreement(comm, problem, pref)
+    _check_agreement(comm, problem, pref, config)
     verdicts = _merge(comm.gather_objects(check_locally(problem, registry, pref)), pref)
     eligible = [v.backend for v in verdicts if v.is_eligible]
     chain: list[FusedAllReduceNorm] = []

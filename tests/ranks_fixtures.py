@@ -97,3 +97,14 @@ def reference_matches_on_cuda(rank: int, world: int, tokens: int, hidden: int):
         out = op(partials[rank].to(dev), residual.to(dev), weight.to(dev))
         h, y = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 0.0)
         return torch.equal(out.residual.cpu(), h), torch.equal(out.normed.cpu(), y)
+
+
+def mismatched_exact_mode(rank: int, world: int):
+    """Ranks differ in Config.triton_exact (a different collective): every rank raises the same error."""
+    try:
+        arnorm.AllReduceNorm(
+            hidden_size=32, dtype=torch.float32, max_tokens=8, config=arnorm.Config(triton_exact=bool(rank))
+        )
+    except arnorm.InvalidInputError as exc:
+        return str(exc)
+    return "no error"

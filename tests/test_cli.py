@@ -37,6 +37,7 @@ def test_explain_shows_choice_and_every_reason(capsys, clean_env):
     for info in arnorm.backends():
         if info.status != "available":
             assert info.reason in out
+    assert re.search(r"^  reference\s+fp8_per_token, fp8_static, mxfp8, none, nvfp4$", out, re.M)
 
 
 def test_explain_strict_unservable_exits_nonzero(capsys, clean_env):

@@ -64,3 +64,24 @@ def test_unknown_field_is_rejected():
 
     with pytest.raises(pydantic.ValidationError):
         Config(backends="x")  # type: ignore[call-arg]
+
+
+def test_malformed_variable_is_a_config_error_naming_it(clean_env):
+    """A bad ARNORM_* value raises ConfigError naming the variable and its value."""
+    from arnorm import ConfigError
+    from arnorm._config import load_config
+
+    clean_env.setenv("ARNORM_TRITON_EXACT", "maybe")
+    with pytest.raises(ConfigError, match=r"ARNORM_TRITON_EXACT: 'maybe' \("):
+        load_config()
+
+
+def test_misspelt_variable_warns(clean_env):
+    """An ARNORM_* variable that is no setting is reported instead of ignored."""
+    from arnorm._config import load_config
+
+    clean_env.setenv("ARNORM_BACKENDS", "triton")
+    with pytest.warns(
+        UserWarning, match=r"ARNORM_BACKENDS: not an arnorm setting \(needs one of ARNORM_BACKEND"
+    ):
+        load_config()

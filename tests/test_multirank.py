@@ -53,3 +53,10 @@ def test_bad_call_on_every_rank_leaves_the_collective_usable():
     assert results[0] == results[1]
     messages, ok = results[0]
     assert ok and len(messages) == 3
+
+
+def test_ranks_with_different_backend_options_raise_the_same_error():
+    """Config options that pick the collective (triton_exact) must match; otherwise all ranks raise."""
+    results = run_ranks(2, rf.mismatched_exact_mode)
+    assert results[0] == results[1]
+    assert results[0].startswith("ranks disagree on Config.triton_exact (rank 0: Config.triton_exact=False")
