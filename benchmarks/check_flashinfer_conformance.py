@@ -44,8 +44,8 @@ def main() -> int:
         "quant codes (or scales) differing from `arnorm.quant` applied to the backend's own normed output;",
         "largest code distance. Command: `python3 benchmarks/check_flashinfer_conformance.py`.",
         "",
-        "| case | rank | residual | normed ulps | quant differs | max code diff | note |",
-        "|---|---:|---|---:|---:|---:|---|",
+        "| case | rank | residual | normed ulps | codes differing | max code diff | scales equal | note |",
+        "|---|---:|---|---:|---:|---:|---|---|",
     ]
     worst = {"ulps": 0, "mismatch": 0.0, "residual": True, "errors": 0, "ran": 0}
     for rank, rows in enumerate(per_rank):
@@ -59,7 +59,8 @@ def main() -> int:
             worst["errors"] += bool(r.error)
             lines.append(
                 f"| {r.case.id} | {rank} | {'yes' if r.residual_equal else ('-' if note else 'NO')} | "
-                f"{r.normed_ulps} | {100 * r.quant_mismatch:.4f}% | {r.quant_max_code_diff} | {note[:120]} |"
+                f"{r.normed_ulps} | {100 * r.quant_mismatch:.4f}% | {r.quant_max_code_diff} | "
+                f"{'yes' if r.quant_scales_equal else 'NO'} | {note[:120]} |"
             )
     lines += [
         "",

@@ -17,3 +17,7 @@ class TestFlashInferConformance(ConformanceSuite):
     world_sizes = (2, 4)
     quant_mismatch = 0.01
     quant_max_code_diff = 1
+    # Measured on an H200 (2 ranks sharing it, 2026-12-02): fp8_per_token scales differ from
+    # amax / 448 (fast-math division) and up to 0.28% of its codes are one step off; every other
+    # format was bitwise (benchmarks/results/flashinfer-conformance-shared-gpu-2026-12-02.md).
+    quant_scales_exact = False
