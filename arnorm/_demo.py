@@ -36,21 +36,11 @@ def _unfused(
     return h, y, quantize_output(y, quant, scale, layout)
 
 
-def _ulps(a: Any, b: Any) -> int:
-    import torch
-
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-    ia, ib = a.contiguous().view(bits).long(), b.contiguous().view(bits).long()
-    top = 1 << (8 * a.element_size() - 1)
-    ia = torch.where(ia < 0, -(ia + top), ia)
-    ib = torch.where(ib < 0, -(ib + top), ib)
-    return int((ia - ib).abs().max())
-
-
 def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import arnorm
+    from arnorm.testing._compare import ulp_distance
 
     device = torch.device("cuda", torch.cuda.current_device()) if opts["cuda"] else torch.device("cpu")
     dtype = getattr(torch, opts["dtype"])
@@ -87,7 +77,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         row = {
             "layer": layer,
             "residual_max_abs": float((out.residual.float() - ref_h.float()).abs().max()),
-            "normed_max_ulps": _ulps(out.normed, ref_y),
+            "normed_max_ulps": ulp_distance(out.normed, ref_y),
             "normed_max_abs": float((out.normed.float() - ref_y.float()).abs().max()),
         }
         if quant is not None:
@@ -135,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     print(first["explain"])
     print("layer  residual max|err|  normed max ulps  normed max|err|  quant max|err|  quant codes differing")
     ok = True
+    # fp32 outputs: the reference rounds in fp32 at every step, so 1 ulp is not attainable (docs/numerics.md).
+    limit = 8 if args.dtype == "float32" else 1
     for r in first["rows"]:
         q_abs = f"{r['quant_max_abs']:.3g}" if "quant_max_abs" in r else "-"
         q_mis = f"{100 * r['quant_mismatch']:.4f}%" if "quant_mismatch" in r else "-"
@@ -142,11 +134,11 @@ def run(args: argparse.Namespace) -> int:
             f"{r['layer']:>5}  {r['residual_max_abs']:>17.3g}  {r['normed_max_ulps']:>15}  "
             f"{r['normed_max_abs']:>15.3g}  {q_abs:>14}  {q_mis:>21}"
         )
-        ok &= r["normed_max_ulps"] <= 1
+        ok &= r["normed_max_ulps"] <= limit
     same = all(res["backend"] == first["backend"] for res in results)
     verdict = "OK" if ok and same else "MISMATCH"
     print(
         f"backend on every rank: {first['backend']} ({'agreed' if same else 'DISAGREED'}); "
-        f"normed within 1 ulp of the unfused path: {'yes' if ok else 'NO'} -> {verdict}"
+        f"normed within {limit} ulp of the unfused path: {'yes' if ok else 'NO'} -> {verdict}"
     )
     return 0 if ok and same else 1

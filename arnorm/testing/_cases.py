@@ -6,6 +6,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from arnorm.testing._compare import ulp_distance
+
 __all__ = ["Case", "CaseResult", "run_cases"]
 
 
@@ -40,17 +42,6 @@ class CaseResult:
     quant_mismatch: float = 0.0
     quant_max_code_diff: int = 0
     quant_scales_equal: bool = True
-
-
-def _ulps(a: Any, b: Any) -> int:
-    import torch
-
-    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    ia, ib = a.contiguous().view(bits).long(), b.contiguous().view(bits).long()
-    top = 1 << (8 * a.element_size() - 1)
-    ia = torch.where(ia < 0, -(ia + top), ia)
-    ib = torch.where(ib < 0, -(ib + top), ib)
-    return int((ia - ib).abs().max()) if a.numel() else 0
 
 
 def exact_inputs(case: Case, world: int, device: Any) -> tuple[list[Any], Any, Any, Any]:
@@ -108,7 +99,7 @@ def run_case(backend: str, case: Case, rank: int, world: int, device: Any) -> Ca
     result = CaseResult(
         case,
         residual_equal=bool(torch.equal(out.residual, h)),
-        normed_ulps=_ulps(out.normed, y) if out.normed is not None else 0,
+        normed_ulps=ulp_distance(out.normed, y) if out.normed is not None else 0,
     )
     if case.quant is not None:
         assert out.quant is not None and out.normed is not None
