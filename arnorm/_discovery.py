@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pluggy
 
-from arnorm._spec import PROJECT, BackendHookSpecs, BackendSpec
+from arnorm._spec import PROJECT, BackendHookSpecs, BackendSpec, priority_order
 
 __all__ = ["ENTRY_POINT_GROUP", "ArnormWarning", "BackendInfo", "Registry", "get_registry", "reset_registry"]
 
@@ -122,7 +122,7 @@ class Registry:
 
     def infos(self) -> list[BackendInfo]:
         """Every backend, highest priority first, then by name; broken plugins last."""
-        return sorted(self._infos.values(), key=lambda i: (i.priority is None, -(i.priority or 0), i.name))
+        return sorted(self._infos.values(), key=lambda i: priority_order(i.priority, i.name))
 
 
 _lock = threading.Lock()

@@ -27,6 +27,7 @@ from arnorm._errors import (
 )
 from arnorm._explain import Explanation, Verdict
 from arnorm._problem import Problem
+from arnorm._spec import priority_order
 
 if TYPE_CHECKING:
     from arnorm._comm import Comm
@@ -121,7 +122,7 @@ def _merge(per_rank: list[dict[str, Any]], pref: Preference) -> list[Verdict]:
             reasons = tuple(f"rank {r}: {reason}" for r, rs in enumerate(per) for reason in rs)
         verdicts.append(Verdict(name, "rejected" if reasons else "eligible", reasons, priority))
     if pref.names is None:
-        verdicts.sort(key=lambda v: (v.priority is None, -(v.priority or 0), v.backend))
+        verdicts.sort(key=lambda v: priority_order(v.priority, v.backend))
     return verdicts
 
 

@@ -14,12 +14,17 @@ from arnorm._capabilities import Capabilities
 if TYPE_CHECKING:
     from arnorm._protocol import FusedAllReduceNorm
 
-__all__ = ["PROJECT", "BackendSpec", "hookimpl", "hookspec"]
+__all__ = ["PROJECT", "BackendSpec", "hookimpl", "hookspec", "priority_order"]
 
 #: The pluggy project name; the entry-point group is ``arnorm.backends``.
 PROJECT = "arnorm"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+def priority_order(priority: int | None, name: str) -> tuple[bool, int, str]:
+    """The one order of backends: higher priority first, then name; unknown priority (broken) last."""
+    return (priority is None, -(priority or 0), name)
 
 
 @dataclass(frozen=True)
@@ -51,11 +56,6 @@ class BackendSpec:
         if ":" not in self.loader:
             msg = f"loader: {self.loader!r} (needs 'package.module:ClassName')"
             raise ValueError(msg)
-
-    @property
-    def sort_key(self) -> tuple[int, str]:
-        """Higher priority first, then name."""
-        return (-self.priority, self.name)
 
     def missing_requirements(self) -> tuple[str, ...]:
         """Top-level modules in ``requires`` that cannot be found (nothing is imported)."""
