@@ -7,7 +7,7 @@ problem, picks the first that can on every rank, and says why it rejected the ot
 
     import arnorm, torch
 
-    op = arnorm.AllReduceNorm(group=tp_group, hidden_size=4096, dtype=torch.bfloat16,
+    op = arnorm.AllReduceNorm(tp_group, hidden_size=4096, dtype=torch.bfloat16,
                               norm=arnorm.RMSNorm(eps=1e-6, weight_offset=1.0), quant="fp8_static")
     out = op(hidden_states, residual, weight, scale=scale)
     print(op.explain())
@@ -26,19 +26,23 @@ from arnorm._errors import (
     BackendNotInstalledError,
     BackendSetupError,
     ConfigError,
+    InferenceOnlyError,
     InvalidInputError,
     NoEligibleBackendError,
+    SelectionError,
 )
-from arnorm._explain import Explanation, Verdict
+from arnorm._explain import STATUSES, Explanation, Verdict
 from arnorm._op import AllReduceNorm, fused_allreduce_norm
 from arnorm._protocol import FusedAllReduceNorm
-from arnorm._types import QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation, RMSNorm
+from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, LocalGroup, Output, QuantizedActivation, RMSNorm
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "LOCAL",
     "QUANT_FORMATS",
     "SCALE_LAYOUTS",
+    "STATUSES",
     "AllReduceNorm",
     "ArnormError",
     "ArnormWarning",
@@ -51,23 +55,37 @@ __all__ = [
     "ConfigError",
     "Explanation",
     "FusedAllReduceNorm",
+    "InferenceOnlyError",
     "InvalidInputError",
+    "LocalGroup",
     "NoEligibleBackendError",
     "Output",
     "QuantizedActivation",
     "RMSNorm",
+    "SelectionError",
     "Verdict",
     "backends",
     "fused_allreduce_norm",
 ]
 
-
 def backends() -> list[BackendInfo]:
-    """Every registered backend with its status: available, not installed (and the fix), or broken.
+    """Every registered backend with its status: available, not installed (and the fix), outdated, or broken.
 
     Discovers plugins on the first call. Availability here means the backend's dependencies are
-    importable; whether it can serve a given problem is what :meth:`AllReduceNorm.explain` says.
+    importable and new enough; whether it can serve a given problem is what
+    :meth:`AllReduceNorm.explain` says.
     """
     from arnorm._discovery import get_registry
 
     return get_registry().infos()
+
+
+# Tracebacks and reprs show the public path (arnorm.InvalidInputError), not the private module.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type) or callable(_obj):
+        try:
+            _obj.__module__ = __name__
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

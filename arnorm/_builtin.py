@@ -17,6 +17,8 @@ def arnorm_backends() -> list[BackendSpec]:
             capabilities=Capabilities(
                 platforms=frozenset({"cpu", "cuda", "rocm"}),
                 quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+                round_before_weight=True,
+                strided_rows=True,
             ),
             loader="arnorm._reference:ReferenceBackend",
             requires=("torch",),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,9 +20,20 @@ Layout = Literal["linear", "swizzled_128x4"]
 class Capabilities(BaseModel):
     """What a backend declares, checked against a :class:`Problem` before anything is imported.
 
-    Sets are the values served; ``world_sizes=None`` means any world size. ``min_arch`` applies to
-    CUDA only. ``quant_min_arch`` raises the floor for single formats (nvfp4 needs SM100 in
-    FlashInfer's kernels).
+    A backend's probe keeps only what cannot be declared here (versions, topology, devices).
+
+    - ``platforms``, ``dtypes``, ``quant``, ``scale_layouts``: the values served.
+    - ``quant_dtypes``: narrower dtypes for single formats (``{"nvfp4": {"bfloat16", "float16"}}``).
+    - ``world_sizes`` (``None``: any) and ``min_world_size``.
+    - ``min_arch`` and ``arch_majors`` (CUDA compute capability; ``None``: any); ``quant_min_arch``
+      raises the floor for single formats.
+    - ``hidden_multiple`` for every format, ``quant_hidden_multiple`` per format (a format's block
+      size always applies on top: arnorm rejects such a hidden size before any backend is asked);
+      ``min_hidden``, ``max_hidden``.
+    - ``weight_offsets`` (``None``: any); ``round_before_weight``: whether the backend serves
+      ``RMSNorm(round_before_weight=True)``.
+    - ``strided_rows``: whether ``hidden_states`` / ``residual`` may be ``[T, H]`` views with
+      unit column stride and a row stride above ``H`` (taken without a copy).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -29,15 +41,20 @@ class Capabilities(BaseModel):
     platforms: frozenset[Platform]
     dtypes: frozenset[Dtype] = frozenset({"bfloat16", "float16", "float32"})
     quant: frozenset[QuantName] = frozenset({"none"})
+    quant_dtypes: dict[QuantName, frozenset[Dtype]] = Field(default_factory=dict)
     scale_layouts: frozenset[Layout] = frozenset({"linear", "swizzled_128x4"})
     world_sizes: frozenset[int] | None = None
     min_world_size: int = 1
     min_arch: tuple[int, int] | None = None
-    quant_min_arch: dict[str, tuple[int, int]] = Field(default_factory=dict)
-    hidden_multiple: int = 1
+    arch_majors: frozenset[int] | None = None
+    quant_min_arch: dict[QuantName, tuple[int, int]] = Field(default_factory=dict)
+    hidden_multiple: int = Field(default=1, ge=1)
+    quant_hidden_multiple: dict[QuantName, int] = Field(default_factory=dict)
     min_hidden: int = 1
     max_hidden: int | None = None
     weight_offsets: frozenset[float] | None = None
+    round_before_weight: bool = False
+    strided_rows: bool = False
 
     def __hash__(self) -> int:
         return hash(tuple((k, _hashable(v)) for k, v in self))
@@ -47,9 +64,17 @@ def _hashable(value: object) -> object:
     return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
 
-def join_or(items: object) -> str:
-    """``["a", "b", "c"]`` -> ``"a, b or c"``; sorted, for stable messages."""
-    names = sorted(str(i) for i in items)  # type: ignore[attr-defined]
+def _sort_key(item: str) -> tuple[int, float, str]:
+    # Numbers sort as numbers ("2, 4, 8 or 16"), everything else after them by text.
+    try:
+        return (0, float(item), item)
+    except ValueError:
+        return (1, 0.0, item)
+
+
+def join_or(items: Iterable[object]) -> str:
+    """``["b", "a", "c"]`` -> ``"a, b or c"``; numbers in numeric order; stable for messages."""
+    names = sorted((str(i) for i in items), key=_sort_key)
     if len(names) <= 1:
         return "".join(names)
     return ", ".join(names[:-1]) + " or " + names[-1]
@@ -59,15 +84,47 @@ def _arch(a: tuple[int, int]) -> str:
     return f"{a[0]}.{a[1]}"
 
 
+def _arch_reasons(caps: Capabilities, problem: Problem) -> list[str]:
+    if problem.platform != "cuda" or problem.arch is None:
+        return []
+    reasons = []
+    arch, quant = problem.arch, problem.quant_name
+    for floor, scope in ((caps.min_arch, ""), (caps.quant_min_arch.get(quant), f" for {quant}")):  # type: ignore[call-overload]
+        if floor is not None and arch < floor:
+            reasons.append(f"compute capability: {_arch(arch)} (needs >= {_arch(floor)}{scope})")
+    if caps.arch_majors is not None and arch[0] not in caps.arch_majors:
+        majors = join_or(f"{m}.x" for m in caps.arch_majors)
+        reasons.append(f"compute capability: {_arch(arch)} (needs {majors})")
+    return reasons
+
+
+def _hidden_reasons(caps: Capabilities, problem: Problem) -> list[str]:
+    h, quant = problem.hidden_size, problem.quant_name
+    reasons = []
+    multiple = caps.quant_hidden_multiple.get(quant, caps.hidden_multiple)  # type: ignore[call-overload]
+    if h % multiple:
+        scope = f" for {quant}" if quant in caps.quant_hidden_multiple else ""
+        reasons.append(f"hidden size: {h} (needs a multiple of {multiple}{scope})")
+    if h < caps.min_hidden:
+        reasons.append(f"hidden size: {h} (needs >= {caps.min_hidden})")
+    if caps.max_hidden is not None and h > caps.max_hidden:
+        reasons.append(f"hidden size: {h} (needs <= {caps.max_hidden})")
+    return reasons
+
+
 def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
     """Every way ``problem`` falls outside ``caps``, as ``"<aspect>: <found> (needs <required>)"``."""
     reasons: list[str] = []
+    quant = problem.quant_name
     if problem.platform not in caps.platforms:
         reasons.append(f"platform: {problem.platform} (needs {join_or(caps.platforms)})")
     if problem.dtype not in caps.dtypes:
         reasons.append(f"dtype: {problem.dtype} (needs {join_or(caps.dtypes)})")
-    if problem.quant_name not in caps.quant:
-        reasons.append(f"quant: {problem.quant_name} (needs {join_or(caps.quant)})")
+    elif quant in caps.quant_dtypes and problem.dtype not in caps.quant_dtypes[quant]:  # type: ignore[index]
+        allowed = join_or(caps.quant_dtypes[quant])  # type: ignore[index]
+        reasons.append(f"dtype: {problem.dtype} (needs {allowed} for {quant})")
+    if quant not in caps.quant:
+        reasons.append(f"quant: {quant} (needs {join_or(caps.quant)})")
     if problem.scale_layout is not None and problem.scale_layout not in caps.scale_layouts:
         reasons.append(f"scale layout: {problem.scale_layout} (needs {join_or(caps.scale_layouts)})")
     ws = problem.world_size
@@ -75,22 +132,11 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
         reasons.append(f"world size: {ws} (needs {join_or(caps.world_sizes)})")
     elif ws < caps.min_world_size:
         reasons.append(f"world size: {ws} (needs >= {caps.min_world_size})")
-    if problem.platform == "cuda" and problem.arch is not None:
-        floors = [
-            (caps.min_arch, ""),
-            (caps.quant_min_arch.get(problem.quant_name), f" for {problem.quant_name}"),
-        ]
-        for floor, scope in floors:
-            if floor is not None and problem.arch < floor:
-                reasons.append(f"compute capability: {_arch(problem.arch)} (needs >= {_arch(floor)}{scope})")
-    h = problem.hidden_size
-    if h % caps.hidden_multiple:
-        reasons.append(f"hidden size: {h} (needs a multiple of {caps.hidden_multiple})")
-    if h < caps.min_hidden:
-        reasons.append(f"hidden size: {h} (needs >= {caps.min_hidden})")
-    if caps.max_hidden is not None and h > caps.max_hidden:
-        reasons.append(f"hidden size: {h} (needs <= {caps.max_hidden})")
+    reasons += _arch_reasons(caps, problem)
+    reasons += _hidden_reasons(caps, problem)
     if caps.weight_offsets is not None and problem.weight_offset not in caps.weight_offsets:
         offsets = join_or(f"{o:g}" for o in caps.weight_offsets)
         reasons.append(f"weight offset: {problem.weight_offset:g} (needs {offsets})")
+    if problem.round_before_weight and not caps.round_before_weight:
+        reasons.append("rounding order: round_before_weight=True (needs False: one rounding after the weight)")
     return tuple(reasons)

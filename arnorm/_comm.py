@@ -1,12 +1,15 @@
 """``Comm``: the TP group an op runs on, plus the CPU group used for agreement.
 
-Agreement (eligibility, setup success) always travels over a gloo group so it works before any
-device communicator exists and never touches the GPU stream.
+Agreement (arguments, eligibility, setup success) always travels over a gloo group, so it works
+before any device communicator exists and never touches the GPU stream.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from arnorm._errors import InvalidInputError
+from arnorm._types import LOCAL
 
 if TYPE_CHECKING:
     import torch
@@ -14,59 +17,69 @@ if TYPE_CHECKING:
 
 __all__ = ["Comm"]
 
-# new_group is collective over WORLD: create the gloo twin of a group once per rank list and reuse it.
+# new_group is collective over WORLD: create the gloo twin of WORLD once and reuse it.
 _CPU_GROUPS: dict[tuple[int, ...], Any] = {}
+
+_GROUP_NEEDS = (
+    "needs a torch.distributed ProcessGroup of the TP ranks, or arnorm.LOCAL for a single process; "
+    "pass torch.distributed.group.WORLD to mean every rank"
+)
+
+
+def _supports_cpu(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return "gloo" in str(dist.get_backend(group))
 
 
 class Comm:
-    """The ranks one op spans.
+    """The ranks one op spans, as backends see them.
 
-    ``group`` is ``None`` for a single process (no collective at all); ``cpu_group`` is a gloo
-    group over the same ranks (the group itself when it already is gloo). ``device`` is the
-    ``torch.device`` the op's tensors live on.
+    - ``group``: the TP ``ProcessGroup`` (``None`` at world size 1: no collective at all).
+    - ``cpu_group``: a gloo group over the same ranks, for agreement (``None`` at world size 1).
+    - ``rank``, ``world_size``: this process's rank in ``group`` and its size.
+    - ``device``: the ``torch.device`` the op's tensors live on.
     """
 
     __slots__ = ("cpu_group", "device", "group", "rank", "world_size")
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-        cpu_group: dist.ProcessGroup | None = None,
-    ) -> None:
-        import torch.distributed as dist
-
+    def __init__(self, group: Any, device: torch.device, cpu_group: Any = None) -> None:
         self.group = group
         self.device = device
+        self.cpu_group = cpu_group
         if group is None:
-            self.rank, self.world_size, self.cpu_group = 0, 1, None
-            return
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.cpu_group = cpu_group if cpu_group is not None else _gloo_twin(group)
+            self.rank, self.world_size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     @classmethod
-    def resolve(
-        cls,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-        cpu_group: dist.ProcessGroup | None = None,
-    ) -> Comm:
-        """``group=None``: WORLD when torch.distributed is initialized, else a single process."""
+    def resolve(cls, tp_group: object, device: torch.device, cpu_group: object = None) -> Comm:
+        """Check the groups an op was given and pair the TP group with its CPU twin.
+
+        ``arnorm.LOCAL`` (or a group of one rank) is a single process. A gloo TP group is its own
+        CPU group. A device group that spans WORLD gets a gloo twin over WORLD (created once;
+        collective over WORLD, whose every rank is in it). A smaller device group needs
+        ``cpu_group``: creating one would be collective over WORLD and hang engines whose ranks
+        sit in different TP groups.
+        """
         import torch.distributed as dist
 
-        if group is None and dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD
-        if group is not None and dist.get_world_size(group) == 1:
+        if tp_group is LOCAL:
             return cls(None, device)
-        return cls(group, device, cpu_group)
-
-    @property
-    def backend_name(self) -> str:
-        """The torch.distributed backend of ``group`` (``"none"`` for a single process)."""
-        import torch.distributed as dist
-
-        return "none" if self.group is None else str(dist.get_backend(self.group))
+        if tp_group is None:
+            raise InvalidInputError(f"tp_group: None ({_GROUP_NEEDS})")
+        if not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
+            raise InvalidInputError(f"tp_group: {type(tp_group).__name__} {tp_group!r} ({_GROUP_NEEDS})")
+        if dist.get_rank(tp_group) < 0:
+            raise InvalidInputError(
+                f"tp_group: does not include this process (global rank {dist.get_rank()}) "
+                "(needs the TP group this rank belongs to)"
+            )
+        if dist.get_world_size(tp_group) == 1:
+            return cls(None, device)
+        return cls(tp_group, device, _cpu_twin(tp_group, cpu_group))
 
     # -- agreement over the CPU group -------------------------------------------------------
 
@@ -79,17 +92,6 @@ class Comm:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
-
-    def all_true(self, flags: list[bool]) -> list[bool]:
-        """Element-wise AND of ``flags`` over the ranks (every rank passes the same length)."""
-        import torch
-        import torch.distributed as dist
-
-        if self.cpu_group is None or not flags:
-            return list(flags)
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        return [bool(v) for v in t.tolist()]
 
     # -- data collectives on the device group -----------------------------------------------
 
@@ -117,7 +119,7 @@ class Comm:
             return out
         # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out.view(-1, *tensor.shape[1:]), tensor, group=self.group)
+        gather(out.view(-1, *tensor.shape[1:]), tensor.contiguous(), group=self.group)
         return out
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -128,24 +130,36 @@ class Comm:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def barrier(self) -> None:
-        """Wait for every rank (over the CPU group)."""
-        import torch.distributed as dist
 
-        if self.cpu_group is not None:
-            dist.barrier(group=self.cpu_group)
-
-
-def _gloo_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
+def _cpu_twin(group: dist.ProcessGroup, cpu_group: object) -> Any:
     import torch.distributed as dist
 
-    if str(dist.get_backend(group)) == "gloo":
-        return group
     ranks = tuple(dist.get_process_group_ranks(group))
+    if cpu_group is not None:
+        if not isinstance(cpu_group, dist.ProcessGroup):
+            raise InvalidInputError(
+                f"cpu_group: {type(cpu_group).__name__} (needs a gloo ProcessGroup over the TP ranks)"
+            )
+        cpu_ranks = tuple(dist.get_process_group_ranks(cpu_group))
+        if cpu_ranks != ranks:
+            raise InvalidInputError(
+                f"cpu_group: ranks {list(cpu_ranks)} (needs {list(ranks)}, the ranks of tp_group, in that order)"
+            )
+        if not _supports_cpu(cpu_group):
+            raise InvalidInputError(
+                f"cpu_group: backend {dist.get_backend(cpu_group)} (needs gloo: agreement runs on CPU tensors)"
+            )
+        return cpu_group
+    if _supports_cpu(group):
+        return group
+    if len(ranks) != dist.get_world_size():
+        raise InvalidInputError(
+            f"cpu_group: missing for a {dist.get_backend(group)} group of {len(ranks)} of "
+            f"{dist.get_world_size()} ranks (needs cpu_group=, a gloo group over the same ranks, e.g. the "
+            "engine's TP CPU group: arnorm will not create one, which is collective over WORLD)"
+        )
     twin = _CPU_GROUPS.get(ranks)
     if twin is None:
-        # Collective over WORLD: every rank of WORLD constructs its ops in the same order, as
-        # torch requires for new_group; pass cpu_group= to AllReduceNorm to avoid it.
         twin = dist.new_group(list(ranks), backend="gloo")
         _CPU_GROUPS[ranks] = twin
     return twin

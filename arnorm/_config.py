@@ -1,11 +1,17 @@
-"""``Config``: every knob, settable in code or through ``ARNORM_*`` variables (one to one)."""
+"""``Config``: the core's settings, set in code or through ``ARNORM_*`` variables (one to one).
+
+Backends own their settings (:class:`arnorm.plugin.BackendSettings`, read from
+``ARNORM_<BACKEND>_*``); ``Config.settings`` overrides them in code.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BeforeValidator, Field, ValidationError
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from arnorm._settings import PREFIX, config_error, read_environment
 
 __all__ = ["Config", "load_config", "parse_names"]
 
@@ -26,72 +32,92 @@ def parse_names(value: object) -> tuple[str, ...]:
 
 Names = Annotated[tuple[str, ...], NoDecode, BeforeValidator(parse_names)]
 
+#: Fields with no variable (set in code only).
+_CODE_ONLY = frozenset({"settings"})
+
+
+class _ExactEnvironment(PydanticBaseSettingsSource):
+    """``ARNORM_<FIELD>`` exactly as written (upper case); pydantic-settings would also honour
+    ``arnorm_backend``, which arnorm reports and ignores instead."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        raise NotImplementedError  # __call__ reads every field at once
+
+    def __call__(self) -> dict[str, Any]:
+        return read_environment(PREFIX, (f for f in self.settings_cls.model_fields if f not in _CODE_ONLY))
+
 
 class Config(BaseSettings):
-    """arnorm's settings. Fields set in code win over the environment.
+    """arnorm's core settings. Fields set in code win over the environment.
 
-    ==========================  ======================================================  =========
-    field                       environment variable                                    default
-    ==========================  ======================================================  =========
-    ``backend``                 ``ARNORM_BACKEND`` (a name or a comma list, preferred   auto
-                                first; strict: only these)
-    ``disable``                 ``ARNORM_DISABLE`` (names removed from auto mode)       none
-    ``triton_exact``            ``ARNORM_TRITON_EXACT``                                 False
-    ``flashinfer_mnnvl``        ``ARNORM_FLASHINFER_MNNVL``                             False
-    ``flashinfer_max_size_mb``  ``ARNORM_FLASHINFER_MAX_SIZE_MB``                       table
-    ``flashinfer_shared_gpu``   ``ARNORM_FLASHINFER_SHARED_GPU`` (testing: ranks may     False
-                                share one GPU; checks correctness, not speed)
-    ==========================  ======================================================  =========
+    =================  =========================  ====================================================
+    field              variable                   meaning (default)
+    =================  =========================  ====================================================
+    ``backend``        ``ARNORM_BACKEND``         a name or comma list, preferred first; strict:
+                                                  only these (auto)
+    ``disable``        ``ARNORM_DISABLE``         names auto mode must not pick (none)
+    ``check_calls``    ``ARNORM_CHECK_CALLS``     compare every call's fingerprint across ranks
+                                                  before its collective; slow, for debugging (off)
+    ``probe_timeout``  ``ARNORM_PROBE_TIMEOUT``   seconds a backend's probe may take (15)
+    ``settings``       (code only)                per-backend settings overrides,
+                                                  ``{"triton": {"exact": True}}``
+    =================  =========================  ====================================================
+
+    Raises :class:`arnorm.ConfigError` (naming the variable or field) for a malformed value.
     """
 
-    model_config = SettingsConfigDict(env_prefix="ARNORM_", frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(frozen=True, extra="forbid")
 
     backend: Names = Field(default=(), description="Backends to use, preferred first; empty: auto.")
     disable: Names = Field(default=(), description="Backends that auto mode must not pick.")
-    triton_exact: bool = Field(
+    check_calls: bool = Field(
         default=False,
-        description="triton: all-gather the partials and sum them in fp32 in rank order inside "
-        "the kernel (bitwise equal to the reference at any TP size) instead of all-reducing.",
+        description="Gather a fingerprint of every call over the CPU group before its collective and "
+        "raise the same error on every rank when they differ (one small collective per call).",
     )
-    flashinfer_mnnvl: bool = Field(
-        default=False, description="flashinfer: allow the MNNVL (multicast) workspace."
+    probe_timeout: float = Field(
+        default=15.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a backend's probe may take before it is rejected "
+        "(FlashInfer's import alone took 5 s on an H200; JIT builds belong in create()).",
     )
-    flashinfer_shared_gpu: bool = Field(
-        default=False,
-        description="flashinfer, for testing on one GPU: let ranks share a GPU (FlashInfer's IPC "
-        "workspace works there; the timing means nothing).",
-    )
-    flashinfer_max_size_mb: float | None = Field(
-        default=None,
-        description="flashinfer: per-rank input budget in MiB; None uses the per-GPU table.",
+    settings: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per-backend settings set in code: {backend: {field: value}}."
     )
 
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            from_env = read_environment(PREFIX, [f for f in self._env_fields() if f not in values])
+            raise config_error(exc, PREFIX, from_env, "Config") from None
 
-#: ARNORM_* variables that are not Config fields but are read elsewhere (tests' rank timeout).
-_OTHER_VARIABLES = frozenset({"ARNORM_TEST_TIMEOUT"})
+    @classmethod
+    def _env_fields(cls) -> list[str]:
+        return [f for f in cls.model_fields if f not in _CODE_ONLY]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, _ExactEnvironment(settings_cls))
+
+    def __hash__(self) -> int:
+        return hash(repr(self.model_dump()))
 
 
 def load_config() -> Config:
-    """``Config()`` from the environment, with a :class:`ConfigError` naming the variable on bad input.
+    """``Config()`` from the environment, after warning about ``ARNORM_*`` names no setting reads."""
+    from arnorm._discovery import get_registry
+    from arnorm._settings import warn_unknown_variables
 
-    An ``ARNORM_*`` variable that matches no field is reported with a warning: a misspelt
-    ``ARNORM_BACKENDS`` would otherwise be ignored in silence.
-    """
-    import os
-    import warnings
-
-    from pydantic import ValidationError
-
-    from arnorm._errors import ConfigError
-
-    known = {f"ARNORM_{name.upper()}" for name in Config.model_fields} | _OTHER_VARIABLES
-    for key in sorted(k for k in os.environ if k.startswith("ARNORM_") and k not in known):
-        warnings.warn(f"{key}: not an arnorm setting (needs one of {', '.join(sorted(known))})", stacklevel=3)
-    try:
-        return Config()
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = str(first["loc"][0]) if first.get("loc") else "?"
-        var = f"ARNORM_{field.upper()}"
-        msg = f"{var}: {os.environ.get(var)!r} ({first['msg'].lower()}; needs a valid Config.{field})"
-        raise ConfigError(msg) from None
+    registry = get_registry()
+    backends = {i.name: tuple(i.spec.settings.model_fields) if i.spec and i.spec.settings else () for i in registry.infos()}
+    warn_unknown_variables(Config._env_fields(), backends)
+    return Config()

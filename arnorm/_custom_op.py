@@ -2,8 +2,11 @@
 
 ``torch.compile`` cannot trace into backends (IPC workspaces, Triton launches, collectives), so a
 compiled model reaches the op through two opaque custom ops; the op object itself travels as an
-integer handle. ``all_reduce_norm_`` mutates ``hidden_states`` (in-place ops) and returns the other
-outputs; ``all_reduce_norm`` mutates nothing and returns the new residual first.
+integer handle (a weak reference: a dropped op leaves no entry behind). ``all_reduce_norm_``
+mutates ``hidden_states`` (in-place ops) and returns the other outputs; ``all_reduce_norm``
+mutates nothing and returns the new residual first. With autograd recording, a compiled in-place
+call goes through the functional op and copies the residual back, because torch registers
+autograd formulas on functional ops only; the formula raises :class:`arnorm.InferenceOnlyError`.
 """
 
 from __future__ import annotations
@@ -27,15 +30,20 @@ _defined = False
 
 
 def register_handle(op: object) -> int:
-    """A process-unique integer standing for ``op`` inside compiled graphs."""
+    """A process-unique integer standing for ``op`` inside compiled graphs; forgotten when ``op`` is."""
     handle = next(_ids)
-    _ops[handle] = weakref.ref(op)
+    _ops[handle] = weakref.ref(op, lambda _ref, h=handle: _ops.pop(h, None))  # type: ignore[misc]
     _define_ops()
     return handle
 
 
 def unregister_handle(handle: int) -> None:
     _ops.pop(handle, None)
+
+
+def live_handles() -> int:
+    """How many ops are registered (for leak tests)."""
+    return len(_ops)
 
 
 def _lookup(handle: int) -> Any:
@@ -47,34 +55,22 @@ def _lookup(handle: int) -> Any:
     return op
 
 
-def _round_up(x: Any, m: int) -> Any:
-    return (x + m - 1) // m * m
-
-
 def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
+    """The quantized outputs' shapes and dtypes, from the format table (``t`` may be symbolic)."""
     import torch
 
+    from arnorm._formats import FORMAT_SPECS
+
     p = op._problem
-    h = p.hidden_size
     if p.quant is None:
         return []
-    if p.quant == "fp8_static":
-        return [torch.empty((t, h), dtype=torch.float8_e4m3fn, device=device)]
-    if p.quant == "fp8_per_token":
-        return [
-            torch.empty((t, h), dtype=torch.float8_e4m3fn, device=device),
-            torch.empty((t, 1), dtype=torch.float32, device=device),
-        ]
-    block, data_shape, data_dtype, scale_dtype = {
-        "nvfp4": (16, (t, h // 2), torch.uint8, torch.float8_e4m3fn),
-        "mxfp8": (32, (t, h), torch.float8_e4m3fn, torch.uint8),
-    }[p.quant]
-    cols = h // block
-    shape = (t, cols) if p.scale_layout == "linear" else (_round_up(t, 128), _round_up(cols, 4))
-    return [
-        torch.empty(data_shape, dtype=data_dtype, device=device),
-        torch.empty(shape, dtype=scale_dtype, device=device),
-    ]
+    spec = FORMAT_SPECS[p.quant]
+    out = [torch.empty(spec.data_shape(t, p.hidden_size), dtype=getattr(torch, spec.data_dtype), device=device)]
+    shape = spec.scale_shape(t, p.hidden_size, p.scale_layout)
+    if shape is not None:
+        assert spec.scale_dtype is not None
+        out.append(torch.empty(shape, dtype=getattr(torch, spec.scale_dtype), device=device))
+    return out
 
 
 def _fake_outputs(op: Any, hidden_states: torch.Tensor, with_residual: bool) -> tuple[torch.Tensor, ...]:
@@ -159,12 +155,23 @@ def _define_ops() -> None:
             weight: torch.Tensor,
             scale: torch.Tensor | None,
         ) -> tuple[torch.Tensor, ...]:
-            return _flatten(_lookup(handle)(hidden_states, residual, weight, scale), hidden_states, True)
+            op = _lookup(handle)
+            # The functional op never writes its inputs; an in-place op reaches it only with autograd
+            # recording (see the module docstring) and works on a copy.
+            hs = hidden_states.clone() if op._problem.inplace else hidden_states
+            return _flatten(op(hs, residual, weight, scale), hs, True)
 
         @all_reduce_norm.register_fake
         def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
             return _fake_outputs(_lookup(handle), hidden_states, True)
 
+        def backward(ctx: Any, *grads: Any) -> Any:
+            from arnorm._call import INFERENCE_ONLY
+            from arnorm._errors import InferenceOnlyError
+
+            raise InferenceOnlyError(INFERENCE_ONLY)
+
+        all_reduce_norm.register_autograd(backward)
         _defined = True
 
 
@@ -179,6 +186,11 @@ def call_custom_op(
     """The compiled-graph path of ``AllReduceNorm.__call__``."""
     import torch
 
+    grad = torch.is_grad_enabled() and (hidden_states.requires_grad or residual.requires_grad or weight.requires_grad)
+    if op._problem.inplace and grad:
+        h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(handle, hidden_states, residual, weight, scale)
+        hidden_states.copy_(h)
+        return _unflatten(op, hidden_states, normed, data, qscale, scale)
     if op._problem.inplace:
         normed, data, qscale = torch.ops.arnorm.all_reduce_norm_(
             handle, hidden_states, residual, weight, scale

@@ -1,8 +1,10 @@
 """Plugin discovery: pluggy over the ``arnorm.backends`` entry points.
 
 Only descriptors are loaded here (cheap modules returning :class:`BackendSpec`); a backend's heavy
-module is imported when it is probed. A plugin that raises is recorded as *broken* with its
-exception and a warning; it never breaks the core.
+module is imported when it is probed. A plugin that raises anything (``SystemExit`` included;
+only ``KeyboardInterrupt`` propagates), implements a hook arnorm does not define, returns
+something other than specs, or claims a built-in backend's name is recorded as *broken* with the
+reason and a warning; it never breaks the core or another plugin.
 """
 
 from __future__ import annotations
@@ -11,27 +13,47 @@ import importlib.metadata
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import pluggy
 
-from arnorm._spec import PROJECT, BackendHookSpecs, BackendSpec, priority_order
+from arnorm._spec import BUILTIN_NAMES, PROJECT, BackendHookSpecs, BackendSpec, priority_order
 
-__all__ = ["ENTRY_POINT_GROUP", "ArnormWarning", "BackendInfo", "Registry", "get_registry", "reset_registry"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ArnormWarning",
+    "BackendInfo",
+    "Registry",
+    "get_registry",
+    "plugin_failure",
+    "reset_registry",
+]
 
 ENTRY_POINT_GROUP = "arnorm.backends"
+#: The distribution whose plugins may use :data:`arnorm._spec.BUILTIN_NAMES`.
+CORE_DISTRIBUTION = "arnorm"
 
 
 class ArnormWarning(UserWarning):
-    """Something is wrong with an installed plugin; arnorm carries on without it."""
+    """Something is wrong with a plugin or a setting; arnorm carries on without it."""
+
+
+def plugin_failure(exc: BaseException) -> str:
+    """``"TypeError: ..."`` for anything a plugin raised; re-raises ``KeyboardInterrupt``."""
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+    return f"{type(exc).__name__}: {exc}".strip().rstrip(":")
 
 
 @dataclass(frozen=True)
 class BackendInfo:
     """One registered backend as ``arnorm.backends()`` reports it.
 
-    ``status`` is ``"available"`` (its requirements are importable; not yet probed),
-    ``"not installed"`` (``reason`` holds the pip command that fixes it) or ``"broken"`` (its plugin
-    raised; ``reason`` holds the exception). ``spec`` is ``None`` only for broken plugins.
+    ``status``: ``"available"`` (its requirements are importable; not yet probed),
+    ``"not_installed"`` (``reason`` holds the pip command that fixes it), ``"outdated"``
+    (installed, older than the backend accepts; ``reason`` says which version it needs) or
+    ``"broken"`` (its plugin raised or misbehaved; ``reason`` says how). ``spec`` is ``None``
+    only for broken plugins.
     """
 
     name: str
@@ -56,61 +78,100 @@ def _version(distribution: str | None) -> str | None:
         return None
 
 
+def _too_old(version: str | None, floor: str | None) -> bool:
+    if version is None or floor is None:
+        return False
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) < Version(floor)
+    except InvalidVersion:
+        return False
+
+
 def _info_for(spec: BackendSpec, plugin: str) -> BackendInfo:
     missing = spec.missing_requirements()
     if missing:
         reason = f"not installed: {', '.join(missing)} (needs {spec.fix_hint()})"
-        return BackendInfo(spec.name, "not installed", reason, spec.priority, None, plugin, spec)
-    return BackendInfo(spec.name, "available", "", spec.priority, _version(spec.distribution), plugin, spec)
+        return BackendInfo(spec.name, "not_installed", reason, spec.priority, None, plugin, spec)
+    version = _version(spec.distribution)
+    if _too_old(version, spec.min_version):
+        reason = f"version: {spec.distribution} {version} (needs >= {spec.min_version}; {spec.fix_hint()})"
+        return BackendInfo(spec.name, "outdated", reason, spec.priority, version, plugin, spec)
+    return BackendInfo(spec.name, "available", "", spec.priority, version, plugin, spec)
 
 
-def _broken(name: str, plugin: str, exc: BaseException) -> BackendInfo:
-    detail = f"{type(exc).__name__}: {exc}".strip()
-    warnings.warn(f"arnorm: backend plugin {plugin!r} is broken and was skipped: {detail}", ArnormWarning, 3)
-    return BackendInfo(name, "broken", f"plugin: {detail} (needs a working install)", None, None, plugin)
+def _broken(name: str, plugin: str, detail: str) -> BackendInfo:
+    warnings.warn(f"arnorm: backend plugin {plugin!r} is broken and was skipped: {detail}", ArnormWarning, 4)
+    return BackendInfo(name, "broken", f"plugin: {detail} (needs a working plugin)", None, None, plugin)
+
+
+def _distribution(ep: Any) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return getattr(dist, "name", None) if dist is not None else None
 
 
 class Registry:
-    """The backends known to this process, by name, in the order of discovery."""
+    """The backends known to this process, by name."""
 
     def __init__(self) -> None:
         self._infos: dict[str, BackendInfo] = {}
 
     @classmethod
     def discover(cls) -> Registry:
-        """Load every ``arnorm.backends`` entry point through pluggy and collect its specs."""
+        """Load every ``arnorm.backends`` entry point through pluggy and collect its specs.
+
+        arnorm's own entry points load first, so a foreign plugin can never take a built-in name,
+        whatever its entry point sorts as.
+        """
         registry = cls()
         pm = pluggy.PluginManager(PROJECT)
         pm.add_hookspecs(BackendHookSpecs)
-        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            plugin = ep.name
+        eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        ordered = sorted(eps, key=lambda e: (_distribution(e) != CORE_DISTRIBUTION, e.name))
+        for ep in ordered:
+            plugin, dist = ep.name, _distribution(ep)
             try:
-                pm.register(ep.load(), name=plugin)
-            except Exception as exc:  # a third-party plugin may raise anything; the core carries on
-                registry._put(_broken(plugin, plugin, exc))
-        for impl in pm.hook.arnorm_backends.get_hookimpls():
-            registry.add_from_hook(impl.plugin_name, impl.function)
+                module = ep.load()
+                pm.register(module, name=plugin)
+                pm.check_pending()  # a marked hook arnorm does not define (arnorm_backend) is an error
+                impls = [i for i in pm.hook.arnorm_backends.get_hookimpls() if i.plugin_name == plugin]
+                if not impls:
+                    msg = "defines no arnorm_backends() hook (needs @arnorm.plugin.hookimpl def arnorm_backends())"
+                    raise TypeError(msg)
+            except BaseException as exc:  # a third-party plugin may raise anything
+                detail = plugin_failure(exc)
+                if pm.has_plugin(plugin):
+                    pm.unregister(name=plugin)
+                registry._put(_broken(plugin, plugin, detail))
+                continue
+            registry.add_from_hook(plugin, impls[0].function, dist)
         return registry
 
-    def add_from_hook(self, plugin: str, hook: object) -> None:
+    def add_from_hook(self, plugin: str, hook: Any, distribution: str | None = None) -> None:
         """Call one plugin's ``arnorm_backends`` hook and register what it returns."""
         try:
-            specs = hook()  # type: ignore[operator]
+            specs = hook()
             if not isinstance(specs, (list, tuple)) or not all(isinstance(s, BackendSpec) for s in specs):
                 msg = f"arnorm_backends() returned {specs!r} (needs a list of arnorm.plugin.BackendSpec)"
                 raise TypeError(msg)
-        except Exception as exc:  # see discover()
-            self._put(_broken(plugin, plugin, exc))
+        except BaseException as exc:  # see discover()
+            self._put(_broken(plugin, plugin, plugin_failure(exc)))
             return
         for spec in specs:
-            self.add(spec, plugin=plugin)
+            self.add(spec, plugin=plugin, distribution=distribution)
 
-    def add(self, spec: BackendSpec, plugin: str = "<code>") -> None:
-        """Register ``spec``; a second backend of the same name is reported as broken."""
+    def add(self, spec: BackendSpec, plugin: str = "<code>", distribution: str | None = None) -> None:
+        """Register ``spec``. A second backend of the same name, or a built-in name claimed by a
+        distribution other than arnorm, is reported as broken under ``<name>@<plugin>``."""
         known = self._infos.get(spec.name)
+        if distribution is not None and distribution != CORE_DISTRIBUTION and spec.name in BUILTIN_NAMES:
+            detail = f"name {spec.name!r} is reserved for arnorm's built-in backend (needs another name)"
+            self._put(_broken(f"{spec.name}@{plugin}", plugin, detail))
+            return
         if known is not None and known.status != "broken":
-            dup = ValueError(f"name {spec.name!r} is already registered by plugin {known.plugin!r}")
-            self._put(_broken(f"{spec.name}@{plugin}", plugin, dup))
+            detail = f"name {spec.name!r} is already registered by plugin {known.plugin!r}"
+            self._put(_broken(f"{spec.name}@{plugin}", plugin, detail))
             return
         self._put(_info_for(spec, plugin))
 
@@ -143,3 +204,6 @@ def reset_registry(registry: Registry | None = None) -> None:
     global _registry
     with _lock:
         _registry = registry
+    from arnorm._probe import clear_probe_cache
+
+    clear_probe_cache()

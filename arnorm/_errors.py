@@ -6,14 +6,23 @@ naturally catch, so ``except ValueError`` keeps working for bad input::
     ArnormError
     ├── InvalidInputError          (ValueError)    bad arguments to a call or a constructor
     ├── ConfigError                (ValueError)    a Config field or ARNORM_* variable is malformed
-    ├── BackendNotInstalledError   (ImportError)   a named backend's extra is not installed
-    ├── BackendBrokenError         (ImportError)   a plugin raised while loading
-    └── NoEligibleBackendError     (RuntimeError)  no backend can serve the problem on every rank
-        └── (raised identically on every rank, with every rank's reasons)
-    └── BackendSetupError          (RuntimeError)  a backend failed while building its workspace
+    ├── InferenceOnlyError         (RuntimeError)  a backward pass reached the op
+    └── SelectionError                             no backend could be chosen; carries .explanation
+        ├── BackendNotInstalledError (ImportError)   a named backend is missing, unknown or too old
+        ├── BackendBrokenError       (ImportError)   a named backend's plugin raised or misbehaved
+        ├── BackendSetupError        (RuntimeError)  a backend failed while building its workspace
+        └── NoEligibleBackendError   (RuntimeError)  no backend can serve the problem on every rank
+
+Selection errors are raised identically on every rank, and their ``explanation`` is the
+:class:`arnorm.Explanation` whose verdicts say, as data, why each backend was not used.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from arnorm._explain import Explanation
 
 __all__ = [
     "ArnormError",
@@ -21,8 +30,10 @@ __all__ = [
     "BackendNotInstalledError",
     "BackendSetupError",
     "ConfigError",
+    "InferenceOnlyError",
     "InvalidInputError",
     "NoEligibleBackendError",
+    "SelectionError",
 ]
 
 
@@ -38,17 +49,33 @@ class ConfigError(ArnormError, ValueError):
     """A configuration value (a ``Config`` field or an ``ARNORM_*`` variable) is malformed."""
 
 
-class BackendNotInstalledError(ArnormError, ImportError):
-    """A backend was requested by name but its extra is not installed."""
+class InferenceOnlyError(ArnormError, RuntimeError):
+    """A backward pass reached an arnorm op, which computes no gradients."""
 
 
-class BackendBrokenError(ArnormError, ImportError):
-    """A backend plugin raised while its descriptor or its module was loaded."""
+class SelectionError(ArnormError):
+    """No backend could be chosen; ``explanation`` holds every backend's verdict."""
+
+    def __init__(self, message: str, explanation: Explanation | None = None) -> None:
+        super().__init__(message)
+        self.explanation = explanation
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep the explanation when the error crosses a process boundary (spawned test ranks).
+        return (type(self), (str(self), self.explanation))
 
 
-class NoEligibleBackendError(ArnormError, RuntimeError):
-    """No backend can serve the problem on every rank; the message lists each one's reasons."""
+class BackendNotInstalledError(SelectionError, ImportError):
+    """A backend named by the user is not installed, not registered, or installed too old."""
 
 
-class BackendSetupError(ArnormError, RuntimeError):
+class BackendBrokenError(SelectionError, ImportError):
+    """A backend named by the user has a plugin that raised or broke the protocol."""
+
+
+class BackendSetupError(SelectionError, RuntimeError):
     """A backend passed its checks but failed while building its workspace."""
+
+
+class NoEligibleBackendError(SelectionError, RuntimeError):
+    """No backend can serve the problem on every rank; the message lists each one's reasons."""

@@ -1,31 +1,39 @@
-"""``AllReduceNorm``: the object engines keep per layer, and ``fused_allreduce_norm`` on top of it."""
+"""``AllReduceNorm``: the object engines keep, and ``fused_allreduce_norm`` on top of it."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from arnorm._call import Trust, agree_call, guard, no_backend
 from arnorm._comm import Comm
 from arnorm._config import Config, load_config
 from arnorm._custom_op import call_custom_op, register_handle, unregister_handle
-from arnorm._discovery import get_registry
-from arnorm._errors import InvalidInputError, NoEligibleBackendError
+from arnorm._discovery import ArnormWarning, get_registry, plugin_failure
+from arnorm._errors import ArnormError, InvalidInputError, NoEligibleBackendError
 from arnorm._explain import Explanation
 from arnorm._problem import DTYPES, Problem
-from arnorm._select import Preference, select
+from arnorm._select import Preference, agree, agreement_facts, load_settings, select
 from arnorm._types import Output, RMSNorm
-from arnorm._validate import check_call, needs_scale
+from arnorm._validate import CallRules, check_call, needs_scale
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
-__all__ = ["AllReduceNorm", "fused_allreduce_norm"]
+__all__ = ["CACHE_SIZE", "AllReduceNorm", "build_problem", "fused_allreduce_norm", "platform_of"]
+
+#: Ops ``fused_allreduce_norm`` keeps (least recently used first out; an evicted op is closed).
+CACHE_SIZE = 16
+
+_building = threading.Lock()
 
 
-def _platform(device: torch.device) -> tuple[str, tuple[int, int] | None, str | None]:
+def platform_of(device: torch.device) -> tuple[str, tuple[int, int] | None, str | None]:
+    """``(platform, CUDA compute capability, ROCm gfx name)`` of ``device``."""
     import torch
 
     if device.type != "cuda":
@@ -36,26 +44,97 @@ def _platform(device: torch.device) -> tuple[str, tuple[int, int] | None, str | 
     return "cuda", tuple(torch.cuda.get_device_capability(device)), None  # type: ignore[return-value]
 
 
-def _check_static_args(
-    hidden_size: object, dtype: object, norm: object, max_tokens: object, flags: dict
-) -> str:
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidInputError(f"{name}: {value!r} (needs a positive int)")
+    return value
+
+
+def resolve_device(device: object) -> torch.device:
+    """The op's device: given, else the current CUDA device, else CPU; ``cuda`` gets its index."""
     import torch
 
-    if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
-        raise InvalidInputError(f"hidden_size: {hidden_size!r} (needs a positive int)")
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise InvalidInputError(f"device: {device!r} (needs a torch.device, e.g. 'cuda:0' or 'cpu')") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInputError(f"device: {dev} (needs a visible CUDA device; torch.cuda.is_available() is False)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise InvalidInputError(f"device: {dev} (needs cpu or cuda)")
+    return dev
+
+
+def build_problem(
+    world_size: int,
+    *,
+    hidden_size: object,
+    dtype: object,
+    norm: object,
+    quant: object,
+    scale_layout: object,
+    max_tokens: object,
+    normed_output: object,
+    inplace: object,
+    device: torch.device,
+) -> Problem:
+    """Check an op's arguments and describe them as a :class:`Problem` (raises InvalidInputError)."""
+    import torch
+
+    hidden = _positive_int("hidden_size", hidden_size)
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
     if name not in DTYPES:
         raise InvalidInputError(f"dtype: {dtype!r} (needs torch.bfloat16, torch.float16 or torch.float32)")
     if not isinstance(norm, RMSNorm):
-        raise InvalidInputError(
-            f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))"
-        )
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InvalidInputError(f"max_tokens: {max_tokens!r} (needs a positive int)")
-    for arg, value in flags.items():
+        raise InvalidInputError(f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))")
+    tokens = _positive_int("max_tokens", max_tokens)
+    for arg, value in (("normed_output", normed_output), ("inplace", inplace)):
         if not isinstance(value, bool):
             raise InvalidInputError(f"{arg}: {value!r} (needs True or False)")
-    return name
+    layout = None
+    if quant is not None:
+        from arnorm.quant import check_format
+
+        layout = check_format(quant, scale_layout, hidden)  # type: ignore[arg-type]
+    elif scale_layout is not None:
+        raise InvalidInputError(f"scale_layout: {scale_layout!r} (needs None when quant is None)")
+    if not normed_output and quant is None:
+        raise InvalidInputError("normed_output: False with quant=None (needs normed_output=True or a quant format)")
+    platform, arch, gfx = platform_of(device)
+    return Problem(
+        world_size=world_size,
+        hidden_size=hidden,
+        dtype=name,
+        eps=float(norm.eps),
+        weight_offset=float(norm.weight_offset),
+        quant=quant,  # type: ignore[arg-type]
+        scale_layout=layout,
+        max_tokens=tokens,
+        normed_output=bool(normed_output),
+        inplace=bool(inplace),
+        device_type=device.type,
+        platform=platform,
+        arch=arch,
+        gfx_arch=gfx,
+        round_before_weight=norm.round_before_weight,
+    )
+
+
+def _warn_unknown_names(pref: Preference, registry: Any) -> None:
+    """A misspelt name in ARNORM_DISABLE, or in a preference list that another name satisfies,
+    would otherwise pass in silence."""
+    known = {i.name for i in registry.infos()}
+    named = pref.names if pref.names is not None and len(pref.names) > 1 else ()
+    for source, names in (("ARNORM_DISABLE / Config.disable", pref.disabled), (pref.source, named)):
+        for name in names:
+            if name not in known:
+                msg = f"{source}: {name!r} is not a registered backend (needs one of {', '.join(sorted(known))})"
+                warnings.warn(msg, ArnormWarning, stacklevel=5)
 
 
 class AllReduceNorm:
@@ -67,13 +146,16 @@ class AllReduceNorm:
         normed       = D(residual_out * rsqrt(mean(residual_out**2) + eps) * (weight_offset + weight))
         quant        = Q(normed)                                                # -> Output.quant
 
-    Construction is collective and does everything slow (discovery, probing, cross-rank agreement,
-    workspace creation) so that a call does no host sync, no discovery and no allocation beyond
-    its outputs. Every rank of ``group`` must build the op with the same arguments.
+    (with ``RMSNorm(round_before_weight=True)``, ``normed`` rounds ``residual_out * rsqrt(...)`` to
+    ``D`` before the weight multiply). Construction is collective and does everything slow
+    (discovery, probing, cross-rank agreement, workspace creation) so that a call does no host
+    sync, no discovery and no allocation beyond its outputs. Every rank of ``tp_group`` builds the
+    op with the same arguments, from one thread, in the same order. One op serves every layer
+    with the same configuration: weights and scales are call arguments.
 
     Args:
-        group: the TP ``ProcessGroup``; ``None`` means WORLD when torch.distributed is initialized,
-            else a single process (size 1: no all-reduce).
+        tp_group: the TP ``ProcessGroup`` (``torch.distributed.group.WORLD`` for every rank), or
+            :data:`arnorm.LOCAL` for a single process (no all-reduce).
         hidden_size: ``H``.
         dtype: ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
         norm: :class:`arnorm.RMSNorm` (``weight_offset=1.0`` for Gemma).
@@ -84,92 +166,103 @@ class AllReduceNorm:
         inplace: write the new residual into ``hidden_states``' buffer.
         scale_layout: nvfp4 / mxfp8 block-scale layout (defaults: ``swizzled_128x4`` / ``linear``).
         device: where the tensors live (default: the current CUDA device, else CPU).
-        cpu_group: a gloo group over the same ranks for agreement (default: ``group`` if it is
-            gloo, else one created with ``new_group``, which is collective over WORLD).
+        cpu_group: a gloo group over the same ranks, for agreement. Needed when ``tp_group`` is a
+            device (NCCL) group smaller than WORLD: pass the engine's TP CPU group.
         config: :class:`arnorm.Config`; default reads the ``ARNORM_*`` environment.
 
     Raises:
-        InvalidInputError: bad arguments, or ranks that disagree on them.
+        InvalidInputError, ConfigError: bad arguments or settings on some rank, or ranks that
+            disagree on them (raised on every rank).
         NoEligibleBackendError: no backend can serve the problem on every rank.
         BackendNotInstalledError, BackendBrokenError, BackendSetupError: a named backend cannot serve.
     """
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None = None,
-        hidden_size: int = 0,
-        dtype: torch.dtype | None = None,
-        norm: RMSNorm | None = None,
+        tp_group: Any,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        norm: RMSNorm,
         quant: str | None = None,
         max_tokens: int = 8192,
         backend: str | Sequence[str] | None = None,
         normed_output: bool = True,
         inplace: bool = True,
-        *,
         scale_layout: str | None = None,
         device: torch.device | str | None = None,
-        cpu_group: dist.ProcessGroup | None = None,
+        cpu_group: Any = None,
         config: Config | None = None,
     ) -> None:
+        self._closed = True  # until construction succeeds, so close() stays safe
+        self._chain: list[Any] = []
+        self._table: list[Any] = []
+        if not _building.acquire(blocking=False):
+            msg = "AllReduceNorm: built from two threads at once (needs ops built from one thread, in the same order on every rank)"
+            raise InvalidInputError(msg)
+        try:
+            self._build(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output, inplace,
+                        scale_layout, device, cpu_group, config)  # fmt: skip
+        finally:
+            _building.release()
+
+    def _build(self, tp_group: Any, hidden_size: Any, dtype: Any, norm: Any, quant: Any, max_tokens: Any,
+               backend: Any, normed_output: Any, inplace: Any, scale_layout: Any, device: Any, cpu_group: Any,
+               config: Any) -> None:  # fmt: skip
         import torch
 
-        self._closed = True  # until construction succeeds, so close() and __del__ paths are safe
-        self._chain: list[Any] = []
-        self._by_tokens: dict[int, Any] = {}
-        norm = RMSNorm() if norm is None else norm
-        flags = {"normed_output": normed_output, "inplace": inplace}
-        dtype_name = _check_static_args(hidden_size, dtype, norm, max_tokens, flags)
-        layout = None
-        if quant is not None:
-            from arnorm.quant import check_format
-
-            layout = check_format(quant, scale_layout, hidden_size)
-        elif scale_layout is not None:
-            raise InvalidInputError(f"scale_layout: {scale_layout!r} (needs None when quant is None)")
-        if not normed_output and quant is None:
-            raise InvalidInputError(
-                "normed_output: False with quant=None (needs normed_output=True or a quant format)"
-            )
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        config = load_config() if config is None else config
-        comm = Comm.resolve(group, device, cpu_group)
-        platform, arch, gfx = _platform(device)
-        self._problem = Problem(
-            world_size=comm.world_size,
-            hidden_size=hidden_size,
-            dtype=dtype_name,
-            eps=float(norm.eps),
-            weight_offset=float(norm.weight_offset),
-            quant=quant,
-            scale_layout=layout,
-            max_tokens=max_tokens,
-            normed_output=normed_output,
-            inplace=inplace,
-            device_type=device.type,
-            platform=platform,
-            arch=arch,
-            gfx_arch=gfx,
-        )
-        self._explanation, self._chain = select(
-            self._problem, comm, config, Preference.resolve(backend, config), get_registry()
-        )
-        self._comm = comm
-        self._device = device
-        # Hot-path constants: attribute lookups on self are the whole cost of a valid call.
-        self._dtype: torch.dtype = getattr(torch, dtype_name)
-        self._dev_index = -1 if device.type == "cpu" else device.index
-        self._hidden = hidden_size
-        self._wshape = torch.Size([hidden_size])
-        self._max_tokens = max_tokens
-        self._needs_scale = needs_scale(quant)
-        self._weight_seen: Any = None
-        self._scale_seen: Any = None
-        self._f32 = torch.float32
+        dev = resolve_device(device)
+        comm = Comm.resolve(tp_group, dev, cpu_group)
+        registry = get_registry()
+        # Everything below may fail on one rank only: the failure travels in the first gather,
+        # so every rank raises the same error instead of leaving the others waiting.
+        error: ArnormError | None = None
+        facts: dict[str, Any] = {}
+        try:
+            problem = build_problem(
+                comm.world_size, hidden_size=hidden_size, dtype=dtype, norm=norm, quant=quant,
+                scale_layout=scale_layout, max_tokens=max_tokens, normed_output=normed_output,
+                inplace=inplace, device=dev,
+            )  # fmt: skip
+            if config is None:
+                config = load_config()
+            elif not isinstance(config, Config):
+                raise InvalidInputError(f"config: {type(config).__name__} (needs arnorm.Config(...))")
+            pref = Preference.resolve(backend, config)
+            settings = load_settings(registry, config)
+            _warn_unknown_names(pref, registry)
+            facts = agreement_facts(problem, pref, config, settings)
+        except ArnormError as exc:
+            error = exc
+        agree(comm, facts, error)
+        plan = select(problem, comm, config, pref, registry, settings)
+        self._problem, self._comm, self._device = problem, comm, dev
+        self._explanation, self._chain = plan.explanation, plan.chain
+        self._table = [None if i < 0 else plan.chain[i] for i in plan.table]
+        strided = all(registry.get(n).spec.capabilities.strided_rows for n in plan.explanation.chain)  # type: ignore[union-attr]
+        self._rules = CallRules(problem.hidden_size, problem.max_tokens, getattr(torch, problem.dtype), dev,
+                                problem.quant, needs_scale(problem.quant), problem.inplace, strided)  # fmt: skip
+        # Hot-path constants: attribute reads on self are most of the cost of a valid call.
+        self._max_tokens = problem.max_tokens
+        self._hidden = problem.hidden_size
+        self._dtype = self._rules.dtype
+        self._itemsize = torch.empty((), dtype=self._dtype).element_size()
+        self._row_bytes = problem.hidden_size * self._itemsize
+        self._strided = strided
+        self._on_cpu = dev.type == "cpu"
+        self._index = -1 if dev.index is None else dev.index
+        self._scaled = self._rules.needs_scale
+        self._inplace = problem.inplace
+        self._trust = Trust(self._rules)
+        self._trusted_weights = self._trust.weights
+        self._trusted_scales = self._trust.scales
+        self._last_weight: Any = None
+        self._last_wptr = -1
+        self._busy = False
+        self._check_calls = bool(config.check_calls)
+        self._seq = 0
         self._is_compiling = torch.compiler.is_compiling
+        self._grad_enabled = torch.is_grad_enabled
         self._handle = register_handle(self)
         self._closed = False
 
@@ -186,88 +279,106 @@ class AllReduceNorm:
 
         Args:
             hidden_states: ``[T, H]`` this rank's partial sum (becomes the new residual when the
-                op is in place).
-            residual: ``[T, H]``, not modified.
+                op is in place). Rows may be strided when every backend of the op says so.
+            residual: ``[T, H]``, not modified; must not share memory with ``hidden_states``.
             weight: ``[H]`` norm weight in the op's dtype (raw Gemma weight; the offset is added).
             scale: fp32 ``[1]`` on the op's device: the dequant scale (fp8_static) or the global
                 encode scale (nvfp4); ``None`` for the other formats.
+
+        One call at a time per op: a second, concurrent call from another thread raises.
         """
         if self._is_compiling():
             return call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
-        # One frame and one combined condition: a valid call pays ~15 attribute reads and nothing else;
-        # check_call builds the precise message only when something is off.
+        if self._check_calls:
+            self._seq += 1
+            agree_call(self._comm, self._rules, self._seq, hidden_states, residual, weight, scale)
+        if self._busy:
+            raise InvalidInputError("op: called from two threads at once (needs one call at a time per op)")
+        self._busy = True
         try:
-            shape = hidden_states.shape
-            dt = self._dtype
-            dev = self._dev_index
-            ok = (
-                hidden_states.dtype is dt
-                and residual.dtype is dt
-                and len(shape) == 2
-                and shape[1] == self._hidden
-                and 0 < shape[0] <= self._max_tokens
-                and residual.shape == shape
-                and hidden_states.is_contiguous()
-                and residual.is_contiguous()
-                and hidden_states.get_device() == dev
-                and residual.get_device() == dev
-                and residual is not hidden_states
-                and (weight is self._weight_seen or self._weight_fits(weight))
-                and (
-                    (scale is self._scale_seen or self._scale_fits(scale))
-                    if self._needs_scale
-                    else scale is None
+            # One combined test of arnorm._validate's rule (that module says it in words, and
+            # check_call builds the message when this fails); a property test holds them equal.
+            try:
+                shape = hidden_states.shape
+                t = shape[0]
+                h = self._hidden
+                hp, rp, wp = hidden_states.data_ptr(), residual.data_ptr(), weight.data_ptr()
+                if hidden_states.is_contiguous() and residual.is_contiguous():
+                    hn = t * self._row_bytes
+                    ok = abs(hp - rp) >= hn
+                elif self._strided:
+                    hst, rst = hidden_states.stride(), residual.stride()
+                    hn = ((t - 1) * hst[0] + h) * self._itemsize
+                    rn = ((t - 1) * rst[0] + h) * self._itemsize
+                    ok = (h == 1 or hst[1] == rst[1] == 1) and (t == 1 or (hst[0] >= h and rst[0] >= h))
+                    ok = ok and (hp >= rp + rn or rp >= hp + hn)
+                else:
+                    ok = False
+                dt = self._dtype
+                if self._on_cpu:  # is_cpu and get_device() both exclude meta tensors, and are cheap
+                    ok = ok and hidden_states.is_cpu and residual.is_cpu
+                else:
+                    ok = ok and hidden_states.get_device() == self._index and residual.get_device() == self._index
+                ok = (
+                    ok
+                    and hidden_states.dtype is dt
+                    and residual.dtype is dt
+                    and len(shape) == 2
+                    and shape[1] == h
+                    and 0 < t <= self._max_tokens
+                    and residual.shape == shape
+                    and (
+                        (weight is self._last_weight and wp == self._last_wptr)
+                        or self._trusted_weights.get(id(weight)) == wp
+                        or self._trust_weight(weight, wp)
+                    )
+                    and (wp >= hp + hn or hp >= wp + self._row_bytes)
                 )
-            )
-        except (AttributeError, TypeError):
-            ok = False
-        if not ok:
-            check_call(self._problem, self._dtype, self._device, hidden_states, residual, weight, scale)
-        impl = self._by_tokens.get(shape[0])
-        if impl is None:
-            impl = self._dispatch(shape[0])
-        return impl(hidden_states, residual, weight, scale)
+                if scale is not None:
+                    sp = scale.data_ptr()
+                    ok = (
+                        ok
+                        and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
+                        and (sp >= hp + hn or hp >= sp + 4)
+                    )
+                elif self._scaled:
+                    ok = False
+                grad = ok and self._grad_enabled() and (
+                    hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
+                )
+                if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
+                    ok = False
+            except (AttributeError, TypeError, IndexError, RuntimeError):
+                ok = grad = False
+            if not ok:
+                check_call(self._rules, hidden_states, residual, weight, scale)
+                grad = self._grad_enabled() and (
+                    hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
+                )
+                t = hidden_states.shape[0]
+            impl = self._table[t]
+            if impl is None:
+                raise self._closed_error() if self._closed else no_backend(t)
+            out = impl(hidden_states, residual, weight, scale)
+            return guard(out, hidden_states, residual, weight) if grad else out
+        finally:
+            self._busy = False
 
-    def _weight_fits(self, weight: Any) -> bool:
-        # The weight is the same tensor step after step: check it once, then trust its identity
-        # (its dtype, shape and device change only through .data / .set_(), which engines don't do).
-        fits = bool(
-            weight.dtype is self._dtype
-            and weight.shape == self._wshape
-            and weight.is_contiguous()
-            and weight.get_device() == self._dev_index
-        )
-        if fits:
-            self._weight_seen = weight
-        return fits
+    def _trust_weight(self, weight: Any, ptr: int) -> bool:
+        # The weight of the last call is checked by identity alone next time (one op per layer);
+        # an op shared by the layers finds the others in the trust table.
+        if self._trust.weight(weight, ptr):
+            self._last_weight, self._last_wptr = weight, ptr
+            return True
+        return False
 
-    def _scale_fits(self, scale: Any) -> bool:
-        # Static scales are one tensor per layer too: checked once, then trusted by identity.
-        fits = bool(
-            scale is not None
-            and scale.dtype is self._f32
-            and scale.shape == (1,)
-            and scale.get_device() == self._dev_index
-        )
-        if fits:
-            self._scale_seen = scale
-        return fits
-
-    def _dispatch(self, num_tokens: int) -> Any:
-        if self._closed:
-            raise InvalidInputError("op: closed (needs a new arnorm.AllReduceNorm)")
-        skipped = []
-        for name, impl in zip(self._explanation.chain, self._chain, strict=True):
-            reasons = tuple(impl.check_tokens(num_tokens))
-            if not reasons:
-                self._by_tokens[num_tokens] = impl
-                return impl
-            skipped.append(f"{name}: " + "; ".join(reasons))
-        msg = f"tokens: {num_tokens} (no backend of this op serves it: {' | '.join(skipped)})"
-        raise NoEligibleBackendError(msg)
+    def _closed_error(self) -> Exception:
+        return InvalidInputError("op: closed (needs a new arnorm.AllReduceNorm)")
 
     def _check_tokens_arg(self, num_tokens: object) -> int:
-        if not isinstance(num_tokens, int) or not 0 < num_tokens <= self._max_tokens:
+        if self._closed:
+            raise self._closed_error()
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 < num_tokens <= self._max_tokens:
             raise InvalidInputError(f"num_tokens: {num_tokens!r} (needs an int from 1 to {self._max_tokens})")
         return num_tokens
 
@@ -280,43 +391,64 @@ class AllReduceNorm:
 
     @property
     def backend(self) -> str:
-        """The selected backend (the one that serves every token count its budget allows)."""
+        """The selected backend (the first of the chain)."""
         return self._explanation.chain[0]
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens runs on."""
-        impl = self._dispatch(self._check_tokens_arg(num_tokens))
+        impl = self._table[self._check_tokens_arg(num_tokens)]
+        if impl is None:
+            raise NoEligibleBackendError(f"tokens: {num_tokens} (no backend of this op serves it; see op.explain({num_tokens}))")
         return self._explanation.chain[self._chain.index(impl)]
+
+    def input_buffer(self, num_tokens: int) -> torch.Tensor | None:
+        """A ``[T, H]`` view of this rank's registered buffer that the row-parallel GEMM may write into.
+
+        A call whose ``hidden_states`` is this view skips the copy into the backend's workspace
+        (zero-copy). ``None`` when the backend serving ``num_tokens`` has no such buffer. The
+        buffer belongs to the op: its contents change with every call.
+        """
+        impl = self._table[self._check_tokens_arg(num_tokens)]
+        get = getattr(impl, "input_buffer", None)
+        if get is None:
+            return None
+        return get(num_tokens)
 
     def explain(self, num_tokens: int | None = None) -> Explanation:
         """Every backend's verdict; with ``num_tokens``, also which one serves it and why not the others."""
+        if self._closed:
+            return dataclasses.replace(self._explanation, closed=True)
         if num_tokens is None:
             return self._explanation
         t = self._check_tokens_arg(num_tokens)
+        served = self._table[t]
         skipped = []
-        served = None
         for name, impl in zip(self._explanation.chain, self._chain, strict=True):
-            reasons = tuple(impl.check_tokens(t))
-            if not reasons:
-                served = name
+            if impl is served:
                 break
-            skipped.append((name, reasons))
-        return dataclasses.replace(
-            self._explanation, num_tokens=t, token_backend=served, token_reasons=tuple(skipped)
-        )
+            skipped.append((name, tuple(impl.check_tokens(t))))
+        backend = None if served is None else self._explanation.chain[self._chain.index(served)]
+        return dataclasses.replace(self._explanation, num_tokens=t, token_backend=backend, token_reasons=tuple(skipped))
 
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the backends' workspaces (collective: every rank calls it). Idempotent."""
+        """Free the backends' workspaces. Idempotent; calls afterwards raise.
+
+        Local: it enters no collective, so ranks may close in any order (a backend that must
+        synchronize its peers does so in its own call path).
+        """
         if self._closed:
             return
         self._closed = True
-        self._by_tokens.clear()
+        self._table[:] = [None] * len(self._table)
         unregister_handle(self._handle)
         chain, self._chain = self._chain, []
         for impl in chain:
-            impl.close()
+            try:
+                impl.close()
+            except BaseException as exc:  # plugin code: report, never leave the other backends open
+                warnings.warn(f"arnorm: {type(impl).__name__}.close() raised {plugin_failure(exc)}", ArnormWarning, 2)
 
     def __enter__(self) -> AllReduceNorm:
         return self
@@ -325,11 +457,13 @@ class AllReduceNorm:
         self.close()
 
     def __repr__(self) -> str:
+        if not hasattr(self, "_problem"):
+            return "AllReduceNorm(<not built>)"
         state = "closed" if self._closed else "+".join(self._explanation.chain)
         return f"AllReduceNorm({self._problem.short()}, backend={state})"
 
 
-_cache: dict[tuple[Any, ...], AllReduceNorm] = {}
+_cache: OrderedDict[tuple[Any, ...], AllReduceNorm] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
@@ -338,50 +472,43 @@ def fused_allreduce_norm(
     residual: torch.Tensor,
     weight: torch.Tensor,
     *,
+    group: Any,
     eps: float,
     weight_offset: float = 0.0,
+    round_before_weight: bool = False,
     quant: str | None = None,
     scale: torch.Tensor | None = None,
-    group: dist.ProcessGroup | None = None,
     inplace: bool = True,
 ) -> Output:
     """One-shot form of :class:`AllReduceNorm`, with the op cached per signature.
 
-    The first call for a signature (group, hidden size, dtype, device, eps, offset, quant,
-    inplace) builds an op (collective); a call with more tokens than the cached op's budget builds
-    a larger one. Prefer keeping an ``AllReduceNorm`` per layer in an engine: this helper costs a
-    dictionary lookup more per call.
+    ``group`` is required: a ``ProcessGroup`` or :data:`arnorm.LOCAL`. The first call for a
+    signature (group, hidden size, dtype, device, eps, offset, rounding order, quant, inplace) builds
+    an op (collective); a call with more tokens than the cached op's budget builds a larger one.
+    At most :data:`CACHE_SIZE` ops are kept; the least recently used is closed when another is
+    needed (identically on every rank, when every rank makes the same calls). Engines should keep
+    an ``AllReduceNorm`` instead: this helper costs a lock and a dictionary lookup more per call.
     """
     import torch
 
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
         raise InvalidInputError("hidden_states: needs a 2-D torch.Tensor [tokens, hidden]")
     t, h = hidden_states.shape
-    key = (
-        id(group),
-        h,
-        hidden_states.dtype,
-        hidden_states.device,
-        float(eps),
-        float(weight_offset),
-        quant,
-        inplace,
-    )
+    norm = RMSNorm(eps, weight_offset, round_before_weight)
+    key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace)
     with _cache_lock:
         op = _cache.get(key)
         if op is None or op._closed or t > op._max_tokens:
             if op is not None:
                 op.close()
+                del _cache[key]
             budget = max(8192, 1 << (int(t) - 1).bit_length())
-            op = AllReduceNorm(
-                group,
-                h,
-                hidden_states.dtype,
-                RMSNorm(eps, weight_offset),
-                quant,
-                budget,
-                inplace=inplace,
-                device=hidden_states.device,
-            )
+            op = AllReduceNorm(group, hidden_size=h, dtype=hidden_states.dtype, norm=norm, quant=quant,
+                               max_tokens=budget, inplace=inplace, device=hidden_states.device)  # fmt: skip
             _cache[key] = op
+            while len(_cache) > CACHE_SIZE:
+                _, evicted = _cache.popitem(last=False)
+                evicted.close()
+        else:
+            _cache.move_to_end(key)
     return op(hidden_states, residual, weight, scale)

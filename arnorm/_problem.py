@@ -17,7 +17,7 @@ class Problem:
     ``platform`` is ``"cuda"``, ``"rocm"`` or ``"cpu"``; ``arch`` the CUDA compute capability
     ``(major, minor)`` or, on ROCm, ``(0, 0)`` with the gfx name in ``gfx_arch``.
     ``quant`` is ``None`` or one of :data:`arnorm.QUANT_FORMATS` and ``scale_layout`` is set for
-    nvfp4 and mxfp8 only.
+    nvfp4 and mxfp8 only. ``round_before_weight`` is :attr:`arnorm.RMSNorm.round_before_weight`.
     """
 
     world_size: int
@@ -34,6 +34,7 @@ class Problem:
     platform: str
     arch: tuple[int, int] | None = None
     gfx_arch: str | None = None
+    round_before_weight: bool = False
 
     @property
     def quant_name(self) -> str:
@@ -43,6 +44,8 @@ class Problem:
     def short(self) -> str:
         """A one-line summary for logs: ``tp=2 hidden=4096 bfloat16 quant=fp8_static gemma cpu``."""
         norm = {0.0: "plain", 1.0: "gemma"}.get(self.weight_offset, f"offset={self.weight_offset:g}")
+        if self.round_before_weight:
+            norm += "/round-before-weight"
         layout = f"/{self.scale_layout}" if self.scale_layout else ""
         return (
             f"tp={self.world_size} hidden={self.hidden_size} {self.dtype} "

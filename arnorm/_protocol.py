@@ -1,4 +1,4 @@
-"""``FusedAllReduceNorm``: the protocol every backend class satisfies."""
+"""``FusedAllReduceNorm``: the protocol every backend class satisfies (checked when it is loaded)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ if TYPE_CHECKING:
     import torch
 
     from arnorm._comm import Comm
-    from arnorm._config import Config
     from arnorm._problem import Problem
+    from arnorm._settings import BackendSettings
     from arnorm._types import Output
 
 __all__ = ["FusedAllReduceNorm"]
@@ -20,21 +20,31 @@ __all__ = ["FusedAllReduceNorm"]
 class FusedAllReduceNorm(Protocol):
     """A backend: a class that arnorm probes, builds once per op, then calls per step.
 
-    Life cycle, driven by :class:`arnorm.AllReduceNorm`:
+    Life cycle, driven by :class:`arnorm.AllReduceNorm` (a class missing a method, or whose
+    ``name`` differs from the registered one, is a broken plugin when it is loaded):
 
-    1. ``probe(problem)`` (classmethod, per rank, no collective): everything the declared
-       :class:`arnorm.Capabilities` cannot say (dependency versions, topology, device features).
-       Returns rejection reasons in the grammar ``"<aspect>: <found> (needs <required>)"``; empty
-       means eligible on this rank.
-    2. ``create(problem, comm, config)`` (classmethod, collective over ``comm``): builds
-       workspaces and compiles kernels. Called on every rank only after every rank found the
-       backend eligible.
-    3. ``check_tokens(num_tokens)``: the only per-call check (workspace budgets); its answer is
-       cached per token count, so it must depend on nothing else.
+    1. ``probe(problem)`` (classmethod, per rank, no collective, fast: bounded by
+       ``ARNORM_PROBE_TIMEOUT``): everything the declared :class:`arnorm.plugin.Capabilities`
+       cannot say (dependency versions, topology, device features). Returns rejection reasons in
+       the grammar ``"<aspect>: <found> (needs <required>)"``; empty means eligible on this rank.
+       It runs on a helper thread with the op's device current; results are cached per process.
+    2. ``create(problem, comm, settings)`` (classmethod, collective over ``comm``): builds
+       workspaces and compiles kernels; ``settings`` is the backend's own
+       :class:`arnorm.plugin.BackendSettings` (an empty one when the descriptor declares none).
+       Called on every rank only after every rank found the backend eligible; a raise on any rank
+       makes every rank reject the backend ("setup_failed").
+    3. ``check_tokens(num_tokens)``: which token counts it serves (workspace budgets). Asked for
+       every count from 1 to ``max_tokens`` right after ``create`` and agreed across ranks, so it
+       must be cheap and depend on the count alone; never called per step.
     4. ``__call__(hidden_states, residual, weight, scale)``: one fused step; ``hidden_states`` is
-       this rank's partial sum ``[T, H]``. Inputs arrive validated. Returns an
-       :class:`arnorm.Output`. No host synchronization, no allocation beyond outputs.
-    5. ``close()`` (collective): frees workspaces; idempotent.
+       this rank's partial sum ``[T, H]``. Inputs arrive validated (and contiguous unless the
+       capabilities declare ``strided_rows``). Returns an :class:`arnorm.Output`. No host
+       synchronization, no allocation beyond outputs.
+    5. ``close()``: frees this rank's resources. Local (no collective: the core may close a backend
+       on some ranks only, after another rank failed its setup) and idempotent.
+
+    Optional: ``input_buffer(num_tokens) -> torch.Tensor | None``, a ``[T, H]`` view of a buffer
+    the caller may write the partial sum into (zero-copy input); see ``AllReduceNorm.input_buffer``.
     """
 
     name: ClassVar[str]
@@ -43,7 +53,7 @@ class FusedAllReduceNorm(Protocol):
     def probe(cls, problem: Problem) -> Sequence[str]: ...
 
     @classmethod
-    def create(cls, problem: Problem, comm: Comm, config: Config) -> FusedAllReduceNorm: ...
+    def create(cls, problem: Problem, comm: Comm, settings: BackendSettings) -> FusedAllReduceNorm: ...
 
     def check_tokens(self, num_tokens: int) -> Sequence[str]: ...
 

@@ -4,7 +4,8 @@ Steps (DESIGN.md, "Numerics contract"), for partials ``x_r`` in dtype ``D``:
 
 1. ``s = D(sum_r fp32(x_r))``, fp32 accumulation in rank order, one rounding;
 2. ``h = D(fp32(s) + fp32(residual))``                                   -> ``Output.residual``;
-3. ``y = D(fp32(h) * rsqrt(mean(fp32(h)**2) + eps) * (b + fp32(g)))``     -> ``Output.normed``;
+3. ``y = D(fp32(h) * rsqrt(mean(fp32(h)**2) + eps) * (b + fp32(g)))``     -> ``Output.normed``
+   (``round_before_weight``: ``y = D(fp32(D(fp32(h) * rsqrt(...))) * (b + fp32(g)))``);
 4. ``q = Q(y)``: the quantizer reads the ``D``-rounded ``y``              -> ``Output.quant``.
 """
 
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
     import torch
 
     from arnorm._comm import Comm
-    from arnorm._config import Config
     from arnorm._problem import Problem
+    from arnorm._settings import BackendSettings
 
 __all__ = ["ReferenceBackend", "add_rmsnorm", "quantize_output", "rank_order_sum"]
 
@@ -39,14 +40,21 @@ def add_rmsnorm(
     weight: torch.Tensor,
     eps: float,
     weight_offset: float,
+    round_before_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 2 and 3: ``(h, y)`` from the reduced sum ``s``; both in the dtype of ``reduced``."""
+    """Steps 2 and 3: ``(h, y)`` from the reduced sum ``s``; both in the dtype of ``reduced``.
+
+    ``reduced`` and ``residual`` are ``[T, H]`` (any row strides), ``weight`` is ``[H]``.
+    """
     import torch
 
     h = (reduced.float() + residual.float()).to(reduced.dtype)
     hf = h.float()
     inv_rms = torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps)
-    y = (hf * inv_rms * (weight.float() + weight_offset)).to(reduced.dtype)
+    normalized = hf * inv_rms
+    if round_before_weight:
+        normalized = normalized.to(reduced.dtype).float()
+    y = (normalized * (weight.float() + weight_offset)).to(reduced.dtype)
     return h, y
 
 
@@ -79,7 +87,7 @@ class ReferenceBackend:
         return ()
 
     @classmethod
-    def create(cls, problem: Problem, comm: Comm, config: Config) -> ReferenceBackend:
+    def create(cls, problem: Problem, comm: Comm, settings: BackendSettings) -> ReferenceBackend:
         return cls(problem, comm)
 
     def check_tokens(self, num_tokens: int) -> tuple[str, ...]:
@@ -97,7 +105,7 @@ class ReferenceBackend:
             reduced = hidden_states
         else:
             reduced = rank_order_sum(self._comm.all_gather(hidden_states))
-        h, y = add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset)
+        h, y = add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["QUANT_FORMATS", "SCALE_LAYOUTS", "Output", "QuantizedActivation", "RMSNorm"]
+__all__ = ["LOCAL", "QUANT_FORMATS", "SCALE_LAYOUTS", "LocalGroup", "Output", "QuantizedActivation", "RMSNorm"]
 
 #: Quantized output formats, in the order the docs list them (``None`` means no quantized output).
 QUANT_FORMATS: tuple[str, ...] = ("fp8_static", "fp8_per_token", "nvfp4", "mxfp8")
@@ -19,25 +19,59 @@ QUANT_FORMATS: tuple[str, ...] = ("fp8_static", "fp8_per_token", "nvfp4", "mxfp8
 SCALE_LAYOUTS: tuple[str, ...] = ("linear", "swizzled_128x4")
 
 
+class LocalGroup:
+    """The type of :data:`LOCAL`: a single-process op, with no all-reduce and no process group."""
+
+    _instance: LocalGroup | None = None
+
+    def __new__(cls) -> LocalGroup:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "arnorm.LOCAL"
+
+    def __reduce__(self) -> str:
+        return "LOCAL"
+
+
+#: Pass as the TP group for a single-process op: ``AllReduceNorm(arnorm.LOCAL, hidden_size=...)``.
+LOCAL = LocalGroup()
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class RMSNorm:
-    """RMSNorm parameters: ``y = x * rsqrt(mean(x**2) + eps) * (weight_offset + weight)``.
+    """RMSNorm parameters. With ``h`` the new residual in dtype ``D`` and ``r = rsqrt(mean(h**2) + eps)``::
+
+        round_before_weight=False:  y = D( h * r * (weight_offset + weight) )          # one rounding
+        round_before_weight=True:   y = D( D(h * r) * (weight_offset + weight) )       # two roundings
 
     ``weight_offset=0.0`` is the plain (Llama) norm, ``1.0`` the Gemma / Qwen3.5 norm that stores
-    ``weight - 1``.
+    ``weight - 1``. ``round_before_weight=True`` is the order of Hugging Face's ``LlamaRMSNorm``
+    and vLLM's ``rms_norm`` kernels (``weight * (x * rsqrt).to(dtype)``); Gemma's norms and
+    FlashInfer's fused kernel round once. Everything in between is fp32.
     """
 
     eps: float = 1e-6
     weight_offset: float = 0.0
+    round_before_weight: bool = False
 
     def __post_init__(self) -> None:
         from arnorm._errors import InvalidInputError
 
-        if not (isinstance(self.eps, (int, float)) and self.eps > 0 and self.eps < float("inf")):
+        if not (_is_real(self.eps) and 0 < self.eps < float("inf")):
             msg = f"eps: {self.eps!r} (needs a positive finite float)"
             raise InvalidInputError(msg)
-        if not (isinstance(self.weight_offset, (int, float)) and abs(self.weight_offset) < float("inf")):
+        if not (_is_real(self.weight_offset) and abs(self.weight_offset) < float("inf")):
             msg = f"weight_offset: {self.weight_offset!r} (needs a finite float, 0.0 plain or 1.0 Gemma)"
+            raise InvalidInputError(msg)
+        if not isinstance(self.round_before_weight, bool):
+            msg = f"round_before_weight: {self.round_before_weight!r} (needs True or False)"
             raise InvalidInputError(msg)
 
     @property

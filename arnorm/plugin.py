@@ -1,4 +1,4 @@
-"""The public plugin API: everything a backend author needs, and nothing else.
+"""The public plugin API: everything a backend needs, and nothing else.
 
 A backend is a class satisfying :class:`FusedAllReduceNorm`, described by a :class:`BackendSpec`
 that a pluggy hook returns; the hook's module is the target of an ``arnorm.backends`` entry point::
@@ -14,32 +14,73 @@ that a pluggy hook returns; the hook's module is the target of an ``arnorm.backe
     # pyproject.toml
     [project.entry-points."arnorm.backends"]
     mine = "my_backend._plugin"
+
+Backends import this module (and :mod:`arnorm.quant`) only, never ``arnorm._*``. Importing it
+imports no torch: ``quantize``, ``dequantize`` and ``empty_quantized`` load :mod:`arnorm.quant`
+(and torch) on first use.
 """
 
-from arnorm._capabilities import Capabilities, check_capabilities
+from __future__ import annotations
+
+from typing import Any
+
+from arnorm._capabilities import Capabilities, check_capabilities, join_or
 from arnorm._comm import Comm
-from arnorm._config import Config
+from arnorm._errors import (
+    ArnormError,
+    BackendSetupError,
+    ConfigError,
+    InferenceOnlyError,
+    InvalidInputError,
+)
+from arnorm._formats import FORMAT_SPECS, FormatSpec, format_spec, round_up
 from arnorm._problem import DTYPES, Problem
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
+from arnorm._settings import BackendSettings
 from arnorm._spec import BackendSpec, hookimpl
-from arnorm._types import QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation
+from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation
 
 __all__ = [
     "DTYPES",
+    "FORMAT_SPECS",
+    "LOCAL",
     "QUANT_FORMATS",
     "SCALE_LAYOUTS",
+    "ArnormError",
+    "BackendSettings",
+    "BackendSetupError",
     "BackendSpec",
     "Capabilities",
     "Comm",
-    "Config",
+    "ConfigError",
+    "FormatSpec",
     "FusedAllReduceNorm",
+    "InferenceOnlyError",
+    "InvalidInputError",
     "Output",
     "Problem",
     "QuantizedActivation",
     "add_rmsnorm",
     "check_capabilities",
+    "dequantize",
+    "empty_quantized",
+    "format_spec",
     "hookimpl",
+    "join_or",
+    "quantize",
     "quantize_output",
     "rank_order_sum",
+    "round_up",
 ]
+
+_FROM_QUANT = frozenset({"quantize", "dequantize", "empty_quantized"})
+
+
+def __getattr__(name: str) -> Any:
+    # The quantizers need torch: load them when a backend first asks, not at discovery.
+    if name in _FROM_QUANT:
+        import arnorm.quant
+
+        return getattr(arnorm.quant, name)
+    raise AttributeError(f"module 'arnorm.plugin' has no attribute {name!r}")

@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 
 from arnorm._errors import InvalidInputError
+from arnorm._formats import FORMAT_SPECS, FormatSpec, format_spec
 from arnorm._types import QuantizedActivation
 from arnorm.quant._fp8 import dequantize_fp8, quantize_fp8_per_token, quantize_fp8_static
 from arnorm.quant._layout import swizzle_128x4, unswizzle_128x4
 from arnorm.quant._mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from arnorm.quant._nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from arnorm.quant._outputs import empty_quantized
 from arnorm.quant._validate import (
     BLOCK_SIZES,
     FORMATS,
@@ -35,11 +37,15 @@ from arnorm.quant._validate import (
 
 __all__ = [
     "FORMATS",
+    "FORMAT_SPECS",
     "LAYOUTS",
+    "FormatSpec",
     "check_format",
     "check_scale",
     "default_layout",
     "dequantize",
+    "empty_quantized",
+    "format_spec",
     "quantize",
     "swizzle_128x4",
     "unswizzle_128x4",
@@ -85,12 +91,13 @@ def _check_quantized(q: QuantizedActivation) -> None:
     default_layout(fmt)  # checks the name
     if fmt in BLOCK_SIZES and q.layout is None:
         raise InvalidInputError(f"layout: None (needs linear or swizzled_128x4 for {fmt})")
-    data_dtype = torch.uint8 if fmt == "nvfp4" else torch.float8_e4m3fn
+    spec = FORMAT_SPECS[fmt]
+    data_dtype = getattr(torch, spec.data_dtype)
     data = q.data
     if not isinstance(data, torch.Tensor) or data.dtype != data_dtype or data.dim() != 2:
         found = f"dtype {data.dtype} shape {list(data.shape)}" if isinstance(data, torch.Tensor) else "?"
         raise InvalidInputError(f"data: {found} (needs a 2-D {data_dtype} tensor for {fmt})")
-    rows, hidden = int(data.shape[0]), int(data.shape[1]) * (2 if fmt == "nvfp4" else 1)
+    rows, hidden = int(data.shape[0]), int(data.shape[1]) * spec.elements_per_byte
     check_format(fmt, q.layout, hidden)
     if fmt == "fp8_per_token" and tuple(q.scale.shape) != (rows, 1):
         raise InvalidInputError(f"scale: shape {list(q.scale.shape)} (needs [{rows}, 1] for fp8_per_token)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from arnorm._errors import InvalidInputError
+from arnorm._formats import FORMAT_SPECS, round_up
 from arnorm._types import QUANT_FORMATS, SCALE_LAYOUTS
 
 __all__ = [
@@ -26,24 +27,10 @@ __all__ = [
 FORMATS: tuple[str, ...] = QUANT_FORMATS
 #: Layouts of the block scales of nvfp4 and mxfp8.
 LAYOUTS: tuple[str, ...] = SCALE_LAYOUTS
-#: Elements per block scale; the hidden size must be a multiple of it.
-BLOCK_SIZES: dict[str, int] = {"nvfp4": 16, "mxfp8": 32}
-#: Formats that take a caller-provided fp32 ``[1]`` scale tensor (fp8_static: the dequant scale;
-#: nvfp4: the global encode scale).
-_SCALED: tuple[str, ...] = ("fp8_static", "nvfp4")
+#: Elements per block scale (from the format table); the hidden size must be a multiple of it.
+BLOCK_SIZES: dict[str, int] = {n: s.block_size for n, s in FORMAT_SPECS.items() if s.block_size}
 #: dtypes of the normed input ``y``.
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
-_DEFAULT_LAYOUT: dict[str, str | None] = {
-    "fp8_static": None,
-    "fp8_per_token": None,
-    "nvfp4": "swizzled_128x4",
-    "mxfp8": "linear",
-}
-
-
-def round_up(n: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is ``>= n``."""
-    return -(-n // multiple) * multiple
 
 
 def _fail(argument: str, found: str, needs: str) -> InvalidInputError:
@@ -58,7 +45,7 @@ def _check_format_name(format: object) -> str:
 
 def default_layout(format: str) -> str | None:
     """The scale layout used when none is given: nvfp4 ``swizzled_128x4``, mxfp8 ``linear``, fp8 ``None``."""
-    return _DEFAULT_LAYOUT[_check_format_name(format)]
+    return FORMAT_SPECS[_check_format_name(format)].default_layout
 
 
 def check_format(format: str, layout: str | None, hidden_size: int) -> str | None:
@@ -70,7 +57,7 @@ def check_format(format: str, layout: str | None, hidden_size: int) -> str | Non
     fmt = _check_format_name(format)
     if fmt in BLOCK_SIZES:
         if layout is None:
-            resolved = _DEFAULT_LAYOUT[fmt]
+            resolved = FORMAT_SPECS[fmt].default_layout
         elif isinstance(layout, str) and layout in LAYOUTS:
             resolved = layout
         else:
@@ -100,7 +87,7 @@ def check_scale(format: str, scale: torch.Tensor | None, device: torch.device | 
     """
     fmt = _check_format_name(format)
     device = torch.device(device)
-    if fmt not in _SCALED:
+    if not FORMAT_SPECS[fmt].takes_scale:
         if scale is not None:
             raise _fail("scale", type(scale).__name__, f"None for {fmt}, which computes its own scales")
         return

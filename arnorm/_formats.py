@@ -1,0 +1,97 @@
+"""The one table of per-format facts: block size, input scale, output dtypes and shapes, layouts.
+
+Everything that allocates, checks or describes a quantized output reads it: the quantizers and
+their checks (:mod:`arnorm.quant`), the custom op's fake implementation, the backends' output
+plans. It imports nothing heavy (dtypes are torch attribute names), so plugin descriptors and
+``Capabilities`` may use it at discovery time.
+
+======================  ==========  ===========  ==========================  =======================
+format                  block size  input scale  data ``[T, H]``             scale returned
+======================  ==========  ===========  ==========================  =======================
+``fp8_static``          -           dequant      float8_e4m3fn ``[T, H]``    the input fp32 ``[1]``
+``fp8_per_token``       -           -            float8_e4m3fn ``[T, H]``    float32 ``[T, 1]``
+``nvfp4``               16          global enc.  uint8 ``[T, H/2]`` (2 e2m1)  float8_e4m3fn blocks
+``mxfp8``               32          -            float8_e4m3fn ``[T, H]``    uint8 E8M0 blocks
+======================  ==========  ===========  ==========================  =======================
+
+Block scales are ``[T, H / block]`` in the ``linear`` layout and
+``[round_up(T, 128), round_up(H / block, 4)]`` in ``swizzled_128x4`` (padding zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["FORMAT_SPECS", "LAYOUTS", "FormatSpec", "format_spec", "round_up"]
+
+#: Layouts of block scales (nvfp4, mxfp8).
+LAYOUTS: tuple[str, ...] = ("linear", "swizzled_128x4")
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= n``."""
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """What one quantized format produces, independent of any backend.
+
+    ``data_dtype`` / ``scale_dtype`` are torch dtype names (``getattr(torch, name)``);
+    ``scale_dtype`` is ``None`` when the output's scale is the caller's input scale (fp8_static).
+    ``elements_per_byte`` is 2 for nvfp4's packed e2m1 pairs (low nibble first), else 1.
+    """
+
+    name: str
+    block_size: int | None
+    takes_scale: bool
+    data_dtype: str
+    elements_per_byte: int
+    scale_dtype: str | None
+    default_layout: str | None
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """The block-scale layouts this format may use (none for the fp8 formats)."""
+        return LAYOUTS if self.block_size else ()
+
+    @property
+    def hidden_multiple(self) -> int:
+        """The hidden size must be a multiple of this (the block size; 1 without block scales)."""
+        return self.block_size or 1
+
+    def data_shape(self, num_tokens: int, hidden_size: int) -> tuple[int, int]:
+        """Shape of the codes tensor."""
+        return (num_tokens, hidden_size // self.elements_per_byte)
+
+    def scale_shape(self, num_tokens: int, hidden_size: int, layout: str | None) -> tuple[int, ...] | None:
+        """Shape of the scale tensor the format computes, ``None`` for fp8_static (input scale)."""
+        if self.block_size is None:
+            return None if self.takes_scale else (num_tokens, 1)
+        cols = hidden_size // self.block_size
+        if layout == "swizzled_128x4":
+            return (round_up(num_tokens, 128), round_up(cols, 4))
+        return (num_tokens, cols)
+
+
+_SPECS = (
+    FormatSpec("fp8_static", None, True, "float8_e4m3fn", 1, None, None),
+    FormatSpec("fp8_per_token", None, False, "float8_e4m3fn", 1, "float32", None),
+    FormatSpec("nvfp4", 16, True, "uint8", 2, "float8_e4m3fn", "swizzled_128x4"),
+    FormatSpec("mxfp8", 32, False, "float8_e4m3fn", 1, "uint8", "linear"),
+)
+
+#: Every quantized format by name, in the order the docs list them.
+FORMAT_SPECS: Mapping[str, FormatSpec] = MappingProxyType({s.name: s for s in _SPECS})
+
+
+def format_spec(name: str) -> FormatSpec:
+    """The :class:`FormatSpec` of ``name``; raises :class:`arnorm.InvalidInputError` for an unknown one."""
+    spec = FORMAT_SPECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        from arnorm._errors import InvalidInputError
+
+        raise InvalidInputError(f"quant: {name!r} (needs one of {', '.join(FORMAT_SPECS)})")
+    return spec

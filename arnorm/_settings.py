@@ -1,0 +1,132 @@
+"""Settings from ``ARNORM_*`` variables: exact names only, checked, and the warnings for the rest.
+
+Two kinds of settings read the environment the same way:
+
+- the core's :class:`arnorm.Config` (``ARNORM_<FIELD>``), and
+- a backend's own :class:`BackendSettings` model, declared on its descriptor
+  (``ARNORM_<BACKEND>_<FIELD>``, e.g. ``ARNORM_TRITON_EXACT``), built by :func:`backend_settings`.
+
+Only upper-case names are read: a lower-case ``arnorm_backend`` is ignored with a warning instead
+of being honoured under a name the error messages would not show. An ``ARNORM_*`` variable that no
+setting reads is reported once per process, naming the settings it could have meant.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from arnorm._errors import ConfigError
+
+if TYPE_CHECKING:
+    from arnorm._spec import BackendSpec
+
+__all__ = [
+    "PREFIX",
+    "BackendSettings",
+    "backend_settings",
+    "config_error",
+    "env_prefix",
+    "read_environment",
+    "warn_unknown_variables",
+]
+
+PREFIX = "ARNORM_"
+
+
+class BackendSettings(BaseModel):
+    """Base class of a backend's own settings: frozen, unknown fields rejected.
+
+    Subclass it with typed, documented fields and name the class in ``BackendSpec(settings=...)``;
+    arnorm reads each field from ``ARNORM_<BACKEND>_<FIELD>`` (upper case), lets ``Config(settings=
+    {"<backend>": {...}})`` override it in code, checks that every rank has the same values, shows
+    them in ``explain`` and hands the instance to the backend's ``create()``. Numbers that must be
+    positive should say so (``Field(gt=0, allow_inf_nan=False)``): a value that cannot agree
+    across ranks is better rejected where it is read.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def env_prefix(backend: str) -> str:
+    """``"triton_symm"`` -> ``"ARNORM_TRITON_SYMM_"``."""
+    return f"{PREFIX}{backend.upper()}_"
+
+
+def read_environment(prefix: str, fields: Iterable[str]) -> dict[str, str]:
+    """``{field: value}`` for every ``<prefix><FIELD>`` variable that is set (exact, upper-case names)."""
+    out = {}
+    for field in fields:
+        value = os.environ.get(prefix + field.upper())
+        if value is not None:
+            out[field] = value
+    return out
+
+
+def config_error(exc: ValidationError, prefix: str, from_env: Mapping[str, str], owner: str) -> ConfigError:
+    """A :class:`ConfigError` naming the variable (or the field set in code) of the first error."""
+    first = exc.errors()[0]
+    field = str(first["loc"][0]) if first.get("loc") else "?"
+    found = from_env.get(field, first.get("input"))
+    where = prefix + field.upper() if field in from_env else f"{owner}.{field}"
+    return ConfigError(f"{where}: {found!r} ({first['msg'].lower()})")
+
+
+def backend_settings(spec: BackendSpec, overrides: Mapping[str, Any] | None) -> BackendSettings:
+    """The backend's settings from its variables, with ``Config(settings=...)`` overrides on top."""
+    cls = spec.settings or BackendSettings
+    prefix = env_prefix(spec.name)
+    from_env = read_environment(prefix, cls.model_fields)
+    values: dict[str, Any] = {**from_env, **(overrides or {})}
+    for key in overrides or {}:
+        from_env.pop(key, None)
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        raise config_error(exc, prefix, from_env, f"Config.settings[{spec.name!r}]") from None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        from arnorm._discovery import ArnormWarning
+
+        warnings.warn(message, ArnormWarning, stacklevel=4)
+
+
+def warn_unknown_variables(core_fields: Iterable[str], backends: Mapping[str, Iterable[str]]) -> None:
+    """Warn once per variable about ``ARNORM_*`` names no setting reads, and lower-case spellings.
+
+    ``backends`` maps each registered backend name to its settings' field names. A variable under a
+    backend's prefix (the longest matching name wins: ``ARNORM_TRITON_SYMM_X`` belongs to
+    ``triton_symm``, not ``triton``) is reported with that backend's valid variables.
+    """
+    core = {PREFIX + f.upper() for f in core_fields}
+    by_prefix = sorted(((env_prefix(n), n, tuple(fs)) for n, fs in backends.items()), key=lambda p: -len(p[0]))
+    known = set(core)
+    for prefix, _, fields in by_prefix:
+        known.update(prefix + f.upper() for f in fields)
+    for key in sorted(os.environ):
+        upper = key.upper()
+        if not upper.startswith(PREFIX):
+            continue
+        if key != upper:
+            hint = f"{upper} is read" if upper in known else "arnorm reads upper-case names only"
+            _warn_once(key, f"{key}: ignored ({hint}; needs the upper-case name)")
+            continue
+        if key in known:
+            continue
+        owner = next(((p, n, fs) for p, n, fs in by_prefix if key.startswith(p)), None)
+        if owner is not None:
+            prefix, name, fields = owner
+            valid = ", ".join(prefix + f.upper() for f in fields) or "none"
+            _warn_once(key, f"{key}: not a setting of backend {name!r} (needs one of: {valid})")
+        else:
+            _warn_once(key, f"{key}: not an arnorm setting (needs one of {', '.join(sorted(core))})")
