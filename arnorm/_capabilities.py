@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Literal
 
@@ -60,16 +61,20 @@ class Capabilities(BaseModel):
         return hash(tuple((k, _hashable(v)) for k, v in self))
 
 
+_LEADING_NUMBER = re.compile(r"^-?\d+(\.\d+)?")
+
+
 def _hashable(value: object) -> object:
     return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
 
 def _sort_key(item: str) -> tuple[int, float, str]:
-    # Numbers sort as numbers ("2, 4, 8 or 16"), everything else after them by text.
-    try:
-        return (0, float(item), item)
-    except ValueError:
+    # Numbers, and texts that start with one ("9.x"), sort by that number ("2, 4, 8 or 16";
+    # "9.x, 10.x or 12.x"); everything else after them by text.
+    match = _LEADING_NUMBER.match(item)
+    if match is None:
         return (1, 0.0, item)
+    return (0, float(match.group()), item)
 
 
 def join_or(items: Iterable[object]) -> str:
@@ -138,5 +143,7 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
         offsets = join_or(f"{o:g}" for o in caps.weight_offsets)
         reasons.append(f"weight offset: {problem.weight_offset:g} (needs {offsets})")
     if problem.round_before_weight and not caps.round_before_weight:
-        reasons.append("rounding order: round_before_weight=True (needs False: one rounding after the weight)")
+        reasons.append(
+            "rounding order: round_before_weight=True (needs False: one rounding after the weight)"
+        )
     return tuple(reasons)

@@ -49,10 +49,17 @@ class Comm:
         self.cpu_group = cpu_group
         if group is None:
             self.rank, self.world_size = 0, 1
-        else:
-            import torch.distributed as dist
+            return
+        import torch.distributed as dist
 
-            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if cpu_group is None:
+            # Agreement without a CPU group would silently agree with this rank alone.
+            if not _supports_cpu(group):
+                raise InvalidInputError(
+                    "cpu_group: None (needs a gloo group over the ranks of a device group; Comm.resolve pairs them)"
+                )
+            self.cpu_group = group
 
     @classmethod
     def resolve(cls, tp_group: object, device: torch.device, cpu_group: object = None) -> Comm:

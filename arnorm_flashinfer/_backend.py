@@ -5,21 +5,19 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from arnorm._errors import BackendSetupError, InvalidInputError
+from arnorm.plugin import BackendSetupError, InvalidInputError
 from arnorm_flashinfer import _workspace
 from arnorm_flashinfer._api import FlashInferAPI, api_reasons, load
 from arnorm_flashinfer._outputs import OutputPlan
 from arnorm_flashinfer._preflight import _join as _join_errors
 from arnorm_flashinfer._preflight import build_modules, decide, local_facts, mnnvl_blocker
-from arnorm_flashinfer._rules import DTYPE_BYTES, static_reasons
+from arnorm_flashinfer._rules import DTYPE_BYTES, launcher_reasons
 
 if TYPE_CHECKING:
     import torch
 
-    from arnorm._comm import Comm
-    from arnorm._config import Config
-    from arnorm._problem import Problem
-    from arnorm._types import Output
+    from arnorm.plugin import Comm, Output, Problem
+    from arnorm_flashinfer._plugin import FlashInferSettings
 
 __all__ = ["FlashInferBackend"]
 
@@ -56,9 +54,9 @@ class FlashInferBackend:
     in another order (1 ulp of ``normed`` again).
 
     Workspace: sized from a per-(arch, world size) budget (vLLM's table, or
-    ``Config.flashinfer_max_size_mb``), shared by ops of the same group, hidden size and dtype,
+    ``ARNORM_FLASHINFER_MAX_SIZE_MB``), shared by ops of the same group, hidden size and dtype,
     created collectively after every rank agreed on its facts (see ``_preflight``), freed when the
-    last op holding it closes and at interpreter exit. ``Config.flashinfer_mnnvl`` opts into the
+    last op holding it closes and at interpreter exit. ``ARNORM_FLASHINFER_MNNVL`` opts into the
     MNNVL workspace when every rank supports multicast (never FlashInfer's ``auto``).
     ``close()`` enters no collective (the core closes a backend on the ranks where setup succeeded
     only, after a failure elsewhere); it synchronizes this rank's device before freeing. Calls on
@@ -111,8 +109,12 @@ class FlashInferBackend:
 
     @classmethod
     def probe(cls, problem: Problem) -> tuple[str, ...]:
-        """Per rank, no collective: the kernel's static limits, then the installed FlashInfer."""
-        reasons = list(static_reasons(problem))
+        """Per rank, no collective: the launcher's hidden-size limit, then the installed FlashInfer.
+
+        Everything else (platform, world sizes, dtypes per format, architectures) is declared in
+        the capabilities and checked by the core before this runs.
+        """
+        reasons = list(launcher_reasons(problem))
         if importlib.util.find_spec("flashinfer") is None:
             return (*reasons, "flashinfer: not installed (needs pip install 'arnorm[flashinfer]')")
         api, why = load()
@@ -121,7 +123,7 @@ class FlashInferBackend:
         return (*reasons, *api_reasons(api, problem.quant, problem.normed_output))
 
     @classmethod
-    def create(cls, problem: Problem, comm: Comm, config: Config) -> FlashInferBackend:
+    def create(cls, problem: Problem, comm: Comm, settings: FlashInferSettings) -> FlashInferBackend:
         """Collective: gather every rank's facts, agree, then create (or reuse) the workspace.
 
         Every rank reaches the gather whatever failed locally, and every rank derives the same
@@ -129,7 +131,7 @@ class FlashInferBackend:
         rank before any of FlashInfer's collectives starts.
         """
         api, why = load()
-        reasons = list(static_reasons(problem))
+        reasons = list(launcher_reasons(problem))
         if api is None:
             reasons.append(str(why))
         else:
@@ -144,10 +146,10 @@ class FlashInferBackend:
                 cached[kind] = state
         # Two rounds: the cheap facts (topology, memory) first, so that a rejected topology (two
         # ranks on one GPU, no peer access) never pays the minutes of the JIT build; then the build.
-        facts = local_facts(problem, comm, config, api, tuple(reasons), cached, build=False)
+        facts = local_facts(problem, comm, settings, api, tuple(reasons), cached)
         gathered = comm.gather_objects(facts)
-        want_mnnvl = bool(config.flashinfer_mnnvl) and mnnvl_blocker(problem, api) is None
-        plan = decide(gathered, problem, want_mnnvl, shared_gpu=bool(config.flashinfer_shared_gpu))
+        want_mnnvl = settings.mnnvl and mnnvl_blocker(problem, api) is None
+        plan = decide(gathered, problem, want_mnnvl, shared_gpu=settings.shared_gpu)
         if plan.error is not None:
             raise BackendSetupError(plan.error)
         assert api is not None

@@ -26,46 +26,50 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from arnorm._types import Output, QuantizedActivation
+from arnorm.plugin import Output, QuantizedActivation, format_spec
 
 if TYPE_CHECKING:
     import torch
 
-    from arnorm._problem import Problem
+    from arnorm.plugin import Problem
 
 __all__ = ["OutputPlan"]
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 class OutputPlan:
-    """Everything per call that depends only on the problem, resolved once at ``create``."""
+    """Everything per call that depends only on the problem, resolved once at ``create``.
 
-    __slots__ = ("_fp8", "_u8", "block", "hidden", "inplace", "layout", "norm_out", "quant", "return_normed")
+    Shapes and dtypes come from arnorm's format table (:data:`arnorm.plugin.FORMAT_SPECS`).
+    """
+
+    __slots__ = (
+        "_data_dtype",
+        "_scale_dtype",
+        "hidden",
+        "inplace",
+        "layout",
+        "norm_out",
+        "quant",
+        "return_normed",
+        "spec",
+    )
 
     def __init__(self, problem: Problem) -> None:
         import torch
 
         self.quant = problem.quant
-        self.layout = problem.scale_layout if problem.quant in ("nvfp4", "mxfp8") else None
+        self.spec = format_spec(problem.quant) if problem.quant is not None else None
+        self.layout = None
+        if self.spec is not None and self.spec.block_size:
+            self.layout = problem.scale_layout or self.spec.default_layout
         self.hidden = problem.hidden_size
         self.inplace = problem.inplace
         self.return_normed = problem.normed_output
         # kARResidualRMSNorm always writes the norm: without quant it needs a norm_out buffer.
         self.norm_out = problem.normed_output or problem.quant is None
-        self.block = {"nvfp4": 16, "mxfp8": 32}.get(problem.quant or "", 0)
-        self._fp8 = torch.float8_e4m3fn
-        self._u8 = torch.uint8
-
-    def _scales(self, rows: int, device: torch.device) -> torch.Tensor:
-        import torch
-
-        cols = self.hidden // self.block
-        if self.layout == "swizzled_128x4":
-            return torch.zeros((_round_up(rows, 128), _round_up(cols, 4)), dtype=self._u8, device=device)
-        return torch.empty((rows, cols), dtype=self._u8, device=device)
+        self._data_dtype = getattr(torch, self.spec.data_dtype) if self.spec else None
+        scale_dtype = self.spec.scale_dtype if self.spec else None
+        self._scale_dtype = getattr(torch, scale_dtype) if scale_dtype else None
 
     def allocate(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[dict[str, Any], Output]:
         """FlashInfer's output keyword arguments for input ``x``, and the ``Output`` they fill."""
@@ -79,25 +83,20 @@ class OutputPlan:
         # thread stores the residual over it afterwards.
         kw: dict[str, Any] = {"output": res, "residual_out": res, "norm_out": norm}
         qa = None
-        quant = self.quant
-        if quant == "fp8_static":
-            data = torch.empty((rows, self.hidden), dtype=self._fp8, device=device)
+        spec = self.spec
+        if spec is not None:
+            data = torch.empty(spec.data_shape(rows, self.hidden), dtype=self._data_dtype, device=device)
             kw["quant_out"] = data
-            assert scale is not None
-            qa = QuantizedActivation(data, scale, quant)
-        elif quant == "fp8_per_token":
-            data = torch.empty((rows, self.hidden), dtype=self._fp8, device=device)
-            token_scale = torch.empty((rows, 1), dtype=torch.float32, device=device)
-            kw["quant_out"], kw["scale_out"] = data, token_scale
-            qa = QuantizedActivation(data, token_scale, quant)
-        elif quant == "nvfp4":
-            data = torch.empty((rows, self.hidden // 2), dtype=self._u8, device=device)
-            sf = self._scales(rows, device).view(self._fp8)
-            kw["quant_out"], kw["scale_out"] = data, sf.view(-1)
-            qa = QuantizedActivation(data, sf, quant, self.layout, scale)
-        elif quant == "mxfp8":
-            data = torch.empty((rows, self.hidden), dtype=self._fp8, device=device)
-            sf = self._scales(rows, device)
-            kw["quant_out"], kw["scale_out"] = data, sf.view(-1)
-            qa = QuantizedActivation(data, sf, quant, self.layout)
+            shape = spec.scale_shape(rows, self.hidden, self.layout)
+            if shape is None:  # fp8_static: the caller's scale is the dequantization scale
+                assert scale is not None
+                qa = QuantizedActivation(data, scale, spec.name)
+            else:
+                # The kernel leaves the swizzled padding unwritten; arnorm's layout defines it as 0.
+                make = torch.zeros if self.layout == "swizzled_128x4" else torch.empty
+                scales = make(shape, dtype=self._scale_dtype, device=device)
+                # FlashInfer takes block scales as 1-D bytes in the same row-major order.
+                kw["scale_out"] = scales.view(-1) if spec.block_size else scales
+                global_scale = scale if spec.name == "nvfp4" else None
+                qa = QuantizedActivation(data, scales, spec.name, self.layout, global_scale)
         return kw, Output(norm if self.return_normed else None, res, qa)

@@ -2,25 +2,59 @@
 
 from __future__ import annotations
 
-from arnorm.plugin import BackendSpec, Capabilities, hookimpl
-from arnorm_flashinfer._rules import ARCH_MAJORS, MIN_ARCH, NVFP4_MIN_ARCH, WORLD_SIZES
+import math
 
-__all__ = ["CAPABILITIES", "arnorm_backends"]
+from pydantic import Field, field_validator
 
-#: Declared statically; the probe adds what cannot be declared (fp32 with nvfp4, per-format
-#: hidden alignment, the launcher's hidden-size limit, the arch majors FlashInfer builds for, the
-#: installed FlashInfer's patterns).
+from arnorm.plugin import BackendSettings, BackendSpec, Capabilities, hookimpl
+from arnorm_flashinfer._rules import ARCH_MAJORS, HALF_ONLY, MIN_ARCH, NVFP4_MIN_ARCH, WORLD_SIZES
+
+__all__ = ["CAPABILITIES", "FlashInferSettings", "arnorm_backends"]
+
+#: Declared statically; the probe adds only what cannot be declared (the launcher's hidden-size
+#: limit at the hidden size's alignment, and the installed FlashInfer's patterns).
 CAPABILITIES = Capabilities(
     platforms=frozenset({"cuda"}),
     dtypes=frozenset({"bfloat16", "float16", "float32"}),
     quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+    # The FP4 patterns are not instantiated for float inputs.
+    quant_dtypes={q: frozenset({"bfloat16", "float16"}) for q in HALF_ONLY},
+    # SWIZZLED_8x4 is not offered: the fused kernel writes no scales for it.
     scale_layouts=frozenset({"linear", "swizzled_128x4"}),
     world_sizes=frozenset(WORLD_SIZES),
     min_arch=MIN_ARCH,
+    arch_majors=frozenset(ARCH_MAJORS),
     quant_min_arch={"nvfp4": NVFP4_MIN_ARCH},
+    # One 16-byte vector per thread; nvfp4 / mxfp8 blocks (16 / 32) are required by the core too.
     hidden_multiple=8,
     max_hidden=65536,
 )
+
+
+class FlashInferSettings(BackendSettings):
+    """``ARNORM_FLASHINFER_*``: the workspace FlashInfer's fused kernels run on."""
+
+    mnnvl: bool = Field(
+        default=False,
+        description="Allow the MNNVL (multicast) workspace when every rank supports multicast.",
+    )
+    max_size_mb: float | None = Field(
+        default=None,
+        gt=0,
+        description="Per-rank input budget in MiB (calls above it fall back); unset: the per-GPU table.",
+    )
+    shared_gpu: bool = Field(
+        default=False,
+        description="Testing on one GPU: let ranks share a GPU (FlashInfer's IPC then maps one "
+        "device's memory into itself; correct, never fast).",
+    )
+
+    @field_validator("max_size_mb")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{value} is not a finite number of MiB")
+        return value
 
 
 @hookimpl
@@ -35,6 +69,7 @@ def arnorm_backends() -> list[BackendSpec]:
             requires=("flashinfer",),
             extra="flashinfer",
             distribution="flashinfer-python",
+            settings=FlashInferSettings,
             description=f"flashinfer.comm fused all-reduce + RMSNorm (+quant), TRT-LLM IPC; {majors}",
         )
     ]

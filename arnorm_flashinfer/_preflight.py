@@ -2,17 +2,18 @@
 
 FlashInfer's workspace creation is a sequence of collectives (an all-gather of socket paths, an
 fd exchange, a barrier); a rank that raises part-way leaves the others waiting forever. So
-``create`` runs in two steps:
+``create`` runs in three steps:
 
-1. :func:`local_facts` (no collective, never raises): everything that can fail per rank is tried
-   or measured here: importing ``flashinfer.comm``, building the JIT module (the slow, fallible
-   step FlashInfer would otherwise run *inside* the collective), the budget, free device memory,
-   the GPU's identity and its peer access to the other GPUs of the host, multicast support, and
-   this rank's cached workspaces.
+1. :func:`local_facts` (no collective, never raises): the cheap facts that can fail per rank:
+   importing ``flashinfer.comm``, the budget, free device memory, the GPU's identity and its peer
+   access to the other GPUs of the host, multicast support, and this rank's cached workspaces.
 2. One ``all_gather_object`` over the CPU group, then :func:`decide`, a pure function of the
    gathered list: every rank computes the same :class:`Plan`, so either every rank raises the same
-   ``BackendSetupError`` or every rank enters ``create_allreduce_fusion_workspace`` (or every rank
-   reuses the same cached workspace).
+   ``BackendSetupError`` or every rank goes on.
+3. :func:`build_modules` (the slow, fallible JIT build FlashInfer would otherwise run *inside* its
+   collective), gathered and agreed the same way; only then every rank enters
+   ``create_allreduce_fusion_workspace`` (or reuses the same cached workspace). A rejected
+   topology never pays the build.
 
 What remains uncovered: a failure inside FlashInfer's creation on some ranks only (a driver error
 while mapping a peer's memory, say). Those ranks raise; the others block in FlashInfer's barrier
@@ -30,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from arnorm_flashinfer._workspace import MIB, alloc_tokens, budget_mb, token_capacity, workspace_bytes
 
 if TYPE_CHECKING:
-    from arnorm._comm import Comm
-    from arnorm._problem import Problem
+    from arnorm.plugin import Comm, Problem
+    from arnorm_flashinfer._plugin import FlashInferSettings
     from arnorm_flashinfer._api import FlashInferAPI
 
 __all__ = ["MEMORY_MARGIN", "Facts", "Plan", "build_modules", "decide", "local_facts", "mnnvl_blocker"]
@@ -155,22 +156,19 @@ def _peer_access(device: Any, mine: str) -> dict[str, bool]:
 def local_facts(
     problem: Problem,
     comm: Comm,
-    config: Any,
+    settings: FlashInferSettings,
     api: FlashInferAPI | None,
     reasons: tuple[str, ...],
     cached: dict[str, tuple[int, str, int]],
-    build: bool = True,
 ) -> Facts:
     """This rank's facts; ``reasons`` (static or import problems) become the error. Never raises."""
     host = socket.gethostname()
     error = "; ".join(reasons) or None
     elem = 4 if problem.dtype == "float32" else 2
-    override = getattr(config, "flashinfer_max_size_mb", None)
-    budget, source = budget_mb(problem.arch or (9, 0), problem.world_size, override)
-    if budget <= 0 and error is None:
-        error = f"Config.flashinfer_max_size_mb: {budget:g} (needs > 0)"
-    tokens = token_capacity(max(budget, 0.0), problem.hidden_size, elem, problem.max_tokens)
-    want_mnnvl = bool(getattr(config, "flashinfer_mnnvl", False)) and mnnvl_blocker(problem, api) is None
+    # The settings model guarantees a positive, finite budget when one is set.
+    budget, source = budget_mb(problem.arch or (9, 0), problem.world_size, settings.max_size_mb)
+    tokens = token_capacity(budget, problem.hidden_size, elem, problem.max_tokens)
+    want_mnnvl = settings.mnnvl and mnnvl_blocker(problem, api) is None
     device = comm.device
     dev: dict[str, Any] = {}
     if error is None and api is not None:
@@ -180,12 +178,7 @@ def local_facts(
                     dev = _device_facts(device, want_mnnvl, api)
                 elif want_mnnvl:  # no CUDA device (the CPU tests with a fake flashinfer)
                     dev = {"multicast": api.multicast_supported(0) and not api.confidential_compute()}
-                # Build (or load) the JIT modules now: FlashInfer would build inside the collective.
-                if build:
-                    api.build_module("trtllm")
-                    if dev.get("multicast"):
-                        api.build_module("mnnvl")
-        except Exception as exc:  # JIT, driver or NVML failure: reported, agreed on, raised everywhere
+        except Exception as exc:  # driver or NVML failure: reported, agreed on, raised everywhere
             error = _setup_error(exc)
     return Facts(
         host=host,
@@ -279,6 +272,6 @@ def decide(facts: list[Facts], problem: Problem, want_mnnvl: bool, shared_gpu: b
             r, free = short[0]
             return Plan(
                 f"device memory: {free / MIB:.0f} MiB free on rank {r} (needs {need / MIB:.0f} MiB for a "
-                f"{budget:g} MiB/rank workspace; lower Config.flashinfer_max_size_mb)"
+                f"{budget:g} MiB/rank workspace; lower ARNORM_FLASHINFER_MAX_SIZE_MB)"
             )
     return Plan(None, kind, tokens, budget, source, reuse, world // len(hosts))

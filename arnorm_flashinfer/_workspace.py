@@ -85,7 +85,7 @@ def _row(table: dict[int, dict[int, float]], arch: tuple[int, int]) -> tuple[int
 def budget_mb(arch: tuple[int, int], world_size: int, override: float | None) -> tuple[float, str]:
     """The per-rank budget in MiB and where it came from (for messages)."""
     if override is not None:
-        return float(override), "Config.flashinfer_max_size_mb"
+        return float(override), "ARNORM_FLASHINFER_MAX_SIZE_MB"
     key, row = _row(BUDGET_MB, arch)
     if world_size in row:
         return float(row[world_size]), f"table sm{key}/tp{world_size}"

@@ -28,7 +28,7 @@ def pretend_cuda(arch: tuple[int, int]) -> None:
     """Make ``AllReduceNorm`` describe a CPU op as a CUDA one of ``arch`` (the fake runs on CPU)."""
     import arnorm._op
 
-    arnorm._op._platform = lambda device: ("cuda", arch, None)
+    arnorm._op.platform_of = lambda device: ("cuda", arch, None)
 
 
 def make_inputs(
@@ -57,14 +57,14 @@ def agree_on_failure(rank: int, world: int) -> tuple[str, list[Any]]:
     from fake_flashinfer import install, make_problem
 
     from arnorm._comm import Comm
-    from arnorm._config import Config
     from arnorm._errors import BackendSetupError
+    from arnorm_flashinfer._plugin import FlashInferSettings
     from arnorm_flashinfer._backend import FlashInferBackend
 
     state = install(None, fail_build="nvcc not found" if rank == 1 else None)
     comm = Comm(dist.group.WORLD, torch.device("cpu"))
     try:
-        FlashInferBackend.create(make_problem(world_size=world), comm, Config())
+        FlashInferBackend.create(make_problem(world_size=world), comm, FlashInferSettings())
     except BackendSetupError as exc:
         return str(exc), state.creates
     return "created", state.creates
@@ -94,14 +94,16 @@ def through_the_op(rank: int, world: int, quant: str | None, layout: str | None)
     from fake_flashinfer import install
 
     import arnorm
-    from arnorm._config import Config
 
     state = install(None)
     use_registry()
     pretend_cuda((10, 0) if quant == "nvfp4" else (9, 0))
     hidden, dtype, eps, offset = 64, torch.bfloat16, 1e-6, 1.0
-    config = Config(flashinfer_max_size_mb=8 * hidden * 2 / MIB)  # 8 tokens per call at most
+    config = arnorm.Config(
+        settings={"flashinfer": {"max_size_mb": 8 * hidden * 2 / MIB}}
+    )  # 8 tokens per call at most
     op = arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
         hidden_size=hidden,
         dtype=dtype,
         norm=arnorm.RMSNorm(eps, offset),
@@ -175,13 +177,13 @@ def gpu_conformance(
     """
     import arnorm
     from arnorm import quant as Q
-    from arnorm._config import Config
 
     use_registry()
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, dtype_name)
     hidden, eps = 4096, 1e-6
     op = arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
         hidden_size=hidden,
         dtype=dtype,
         norm=arnorm.RMSNorm(eps, offset),
@@ -190,7 +192,7 @@ def gpu_conformance(
         max_tokens=4200,
         backend="flashinfer",
         device=device,
-        config=Config(flashinfer_max_size_mb=40),
+        config=arnorm.Config(settings={"flashinfer": {"max_size_mb": 40}}),
     )
     # fp8_static: the dequant scale; nvfp4: the global encode scale 448 * 6 / amax for |y| <= 8.
     scale_value = {"fp8_static": 0.05, "nvfp4": 448 * 6 / 8.0}.get(quant or "")
@@ -227,6 +229,7 @@ def gpu_graph_capture(rank: int, world: int) -> bool:
     device = torch.device("cuda", torch.cuda.current_device())
     dtype, hidden, tokens, eps = torch.bfloat16, 2048, 32, 1e-6
     op = arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
         hidden_size=hidden,
         dtype=dtype,
         norm=arnorm.RMSNorm(eps, 0.0),
@@ -279,7 +282,12 @@ def gpu_create_destroy(rank: int, world: int, rounds: int) -> list[int]:
     for i in range(rounds):
         ops = [
             arnorm.AllReduceNorm(
-                hidden_size=hidden, dtype=torch.bfloat16, max_tokens=64, backend="flashinfer", device=device
+                torch.distributed.group.WORLD,
+                hidden_size=hidden,
+                dtype=torch.bfloat16,
+                max_tokens=64,
+                backend="flashinfer",
+                device=device,
             )
             for hidden in (1024, 1024, 2048 + 1024 * (i % 2))
         ]

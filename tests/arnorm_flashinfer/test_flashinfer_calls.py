@@ -9,7 +9,7 @@ import torch
 from fake_flashinfer import FakeComm, P, TorchDistBackend, fake_fi_fixture, make_problem  # noqa: F401  (fixture)
 
 from arnorm import quant as Q
-from arnorm._config import Config
+from arnorm_flashinfer._plugin import FlashInferSettings
 from arnorm._errors import InvalidInputError
 from arnorm._reference import add_rmsnorm, rank_order_sum
 from arnorm_flashinfer import _workspace
@@ -21,7 +21,7 @@ GRAMMAR = re.compile(r"^[^:]+: .+ \(needs .+\)$")
 def build(config=None, comm=None, **overrides):
     problem = make_problem(**overrides)
     comm = comm or FakeComm(problem.world_size)
-    return FlashInferBackend.create(problem, comm, config or Config()), problem, comm
+    return FlashInferBackend.create(problem, comm, config or FlashInferSettings()), problem, comm
 
 
 def inputs(problem, tokens=5, seed=0):
@@ -187,7 +187,7 @@ def test_weight_dtype_must_match(fake_fi, clean_env):
 
 
 def test_check_tokens(fake_fi, clean_env):
-    backend, _, _ = build(max_tokens=1000, hidden_size=1024, config=Config(flashinfer_max_size_mb=0.5))
+    backend, _, _ = build(max_tokens=1000, hidden_size=1024, config=FlashInferSettings(max_size_mb=0.5))
     assert backend.capacity == 256  # 0.5 MiB / (1024 * 2 B)
     assert backend.check_tokens(256) == ()
     (r0,) = backend.check_tokens(0)
@@ -216,7 +216,7 @@ def test_oneshot_is_explicit_and_follows_the_table(fake_fi, clean_env):
     assert _workspace.use_oneshot(100000, 4096, 2, 16, arch) is False  # beyond FlashInfer's Lamport clamp
     assert _workspace.use_oneshot(4000, 4096, 2, 16, arch) is True  # no tp16 entry: one-shot (vLLM)
     backend, problem, _ = build(
-        max_tokens=64, hidden_size=8192, world_size=8, config=Config(flashinfer_max_size_mb=1)
+        max_tokens=64, hidden_size=8192, world_size=8, config=FlashInferSettings(max_size_mb=1)
     )
     x, res, w, scale = inputs(problem, tokens=40)  # 640 KiB > 0.5 MiB: two-shot
     backend(x, res, w, scale)

@@ -54,17 +54,19 @@ def test_selected_through_arnorm_with_reasons_and_fallback(cpu_ranks, quant, lay
 def _pretend_sm90(monkeypatch) -> None:
     import arnorm._op
 
-    monkeypatch.setattr(arnorm._op, "_platform", lambda device: ("cuda", (9, 0), None))
+    monkeypatch.setattr(arnorm._op, "platform_of", lambda device: ("cuda", (9, 0), None))
 
 
 def test_tp1_is_rejected_with_its_reason(fake_fi, clean_env):
     use_registry()
     _pretend_sm90(clean_env)
-    with arnorm.AllReduceNorm(hidden_size=64, dtype=torch.bfloat16, device="cpu") as op:
+    kw = {"hidden_size": 64, "dtype": torch.bfloat16, "norm": arnorm.RMSNorm(1e-6), "device": "cpu"}
+    with arnorm.AllReduceNorm(arnorm.LOCAL, **kw) as op:
         assert op.backend == "reference"
-        assert op.explain().rejections()["flashinfer"] == ("world size: 1 (needs 16, 2, 4 or 8)",)
-    with pytest.raises(arnorm.NoEligibleBackendError, match=r"world size: 1 \(needs"):
-        arnorm.AllReduceNorm(hidden_size=64, dtype=torch.bfloat16, device="cpu", backend="flashinfer")
+        assert op.explain().rejections()["flashinfer"] == ("world size: 1 (needs 2, 4, 8 or 16)",)
+    with pytest.raises(arnorm.NoEligibleBackendError, match=r"world size: 1 \(needs") as info:
+        arnorm.AllReduceNorm(arnorm.LOCAL, backend="flashinfer", **kw)
+    assert info.value.explanation.verdict("flashinfer").status == "incompatible"
     assert fake_fi.builds == [] and fake_fi.creates == []
 
 
@@ -74,8 +76,9 @@ def test_nvfp4_on_sm90_through_selection(fake_fi, clean_env):
     from arnorm._select import Preference, check_locally
 
     verdicts = check_locally(problem, arnorm._discovery.get_registry(), Preference(None, "auto"))
-    _, reasons = verdicts["flashinfer"]
-    assert reasons and reasons[0].startswith("compute capability: 9.0 (needs >= 10.0 for nvfp4")
+    verdict = verdicts["flashinfer"]
+    assert verdict.status == "incompatible"
+    assert verdict.reasons == ("compute capability: 9.0 (needs >= 10.0 for nvfp4)",)
 
 
 # -- GPU: the real FlashInfer ------------------------------------------------------------------

@@ -7,9 +7,11 @@ import re
 
 import pytest
 import torch
+
+import arnorm
 from fake_flashinfer import FakeComm, fake_fi_fixture, install, make_problem, reset_workspaces  # noqa: F401  (fixture)
 
-from arnorm._config import Config
+from arnorm_flashinfer._plugin import FlashInferSettings
 from arnorm._errors import BackendSetupError
 from arnorm_flashinfer import _workspace
 from arnorm_flashinfer._backend import FlashInferBackend
@@ -22,7 +24,7 @@ GRAMMAR = re.compile(r"^[^:]+: .+ \(needs .+\)$")
 def build(config=None, comm=None, **overrides):
     problem = make_problem(**overrides)
     comm = comm or FakeComm(problem.world_size)
-    return FlashInferBackend.create(problem, comm, config or Config())
+    return FlashInferBackend.create(problem, comm, config or FlashInferSettings())
 
 
 def setup_error(config=None, comm=None, **overrides) -> str:
@@ -53,20 +55,26 @@ def test_budget_table(arch, world, mb, source):
 
 
 def test_budget_override_and_capacity(fake_fi, clean_env):
-    assert budget_mb((9, 0), 8, 3.0) == (3.0, "Config.flashinfer_max_size_mb")
+    assert budget_mb((9, 0), 8, 3.0) == (3.0, "ARNORM_FLASHINFER_MAX_SIZE_MB")
     assert token_capacity(0.5, 4096, 2, 10_000) == 64
     assert token_capacity(64, 4096, 2, 100) == 100  # never more than the op's max_tokens
     assert token_capacity(1e6, 65536, 4, 10**9) == (2**31 - 1) // 65536  # tokens * hidden fits an int32
     backend = build(
-        config=Config(flashinfer_max_size_mb=1.0), hidden_size=4096, max_tokens=10_000, world_size=8
+        config=FlashInferSettings(max_size_mb=1.0), hidden_size=4096, max_tokens=10_000, world_size=8
     )
     assert backend.capacity == 128
     assert fake_fi.creates[-1]["max_token_num"] == 128
 
 
 def test_budget_from_the_environment(fake_fi, clean_env):
+    """ARNORM_FLASHINFER_MAX_SIZE_MB reaches create() through the backend's settings model."""
+    from arnorm._discovery import get_registry
+    from arnorm._settings import backend_settings
+
     clean_env.setenv("ARNORM_FLASHINFER_MAX_SIZE_MB", "0.25")
-    assert build(hidden_size=4096, max_tokens=10_000).capacity == 32
+    settings = backend_settings(get_registry().get("flashinfer").spec, None)
+    assert settings == FlashInferSettings(max_size_mb=0.25)
+    assert build(hidden_size=4096, max_tokens=10_000, config=settings).capacity == 32
 
 
 # -- sharing and life cycle --------------------------------------------------------------------
@@ -155,15 +163,11 @@ def test_ranks_on_two_hosts_are_refused_for_trtllm(fake_fi, clean_env):
     assert fake_fi.creates == []
 
 
-def test_static_and_world_size_problems_are_agreed_too(fake_fi, clean_env):
-    assert setup_error(world_size=1, comm=FakeComm(1)).startswith("world size: 1 (needs 2, 4, 8 or 16)")
+def test_group_size_and_budget_problems_are_agreed_too(fake_fi, clean_env):
     msg = setup_error(comm=FakeComm(4), world_size=2)
     assert "world size: 4 ranks in the group (needs 2)" in msg
-    assert (
-        setup_error(config=Config(flashinfer_max_size_mb=0)) == "Config.flashinfer_max_size_mb: 0 (needs > 0)"
-    )
-    msg = setup_error(config=Config(flashinfer_max_size_mb=1e-6))
-    assert msg.startswith("workspace budget: 1e-06 MiB (Config.flashinfer_max_size_mb) (needs >= 128 bytes")
+    msg = setup_error(config=FlashInferSettings(max_size_mb=1e-6))
+    assert msg.startswith("workspace budget: 1e-06 MiB (ARNORM_FLASHINFER_MAX_SIZE_MB) (needs >= 128 bytes")
     assert fake_fi.creates == []
 
 
@@ -186,7 +190,7 @@ def test_decide_refuses_shared_gpus_missing_peer_access_and_short_memory():
     problem = make_problem(hidden_size=4096)
     shared = decide([facts(gpu="g0"), facts(gpu="g0")], problem, False)
     assert shared.error == "devices: ranks 0 and 1 share GPU g0 (needs one GPU per rank)"
-    # Config.flashinfer_shared_gpu (testing on one GPU) lets them through.
+    # ARNORM_FLASHINFER_SHARED_GPU (testing on one GPU) lets them through.
     assert decide([facts(gpu="g0"), facts(gpu="g0")], problem, False, shared_gpu=True).error is None
     no_p2p = decide(
         [facts(gpu="g0", peers={"g1": False}), facts(gpu="g1", peers={"g0": True})], problem, False
@@ -218,7 +222,7 @@ def test_workspace_bytes_matches_flashinfer_sizing():
 def test_mnnvl_only_when_enabled_and_every_rank_has_multicast(monkeypatch, clean_env):
     reset_workspaces()
     state = install(monkeypatch, multicast=True)
-    backend = build(config=Config(flashinfer_mnnvl=True))
+    backend = build(config=FlashInferSettings(mnnvl=True))
     (kw,) = state.creates
     assert kw["backend"] == "mnnvl" and kw["gpus_per_node"] == 2
     # Both modules are built up front: a fallback to trtllm must not build inside the collective.
@@ -226,10 +230,10 @@ def test_mnnvl_only_when_enabled_and_every_rank_has_multicast(monkeypatch, clean
     assert backend.kind == "mnnvl" and backend._oneshot_for(8) is None  # MNNVL's AUTO strategy
     no_multicast = FakeComm(peer=lambda f, r: dataclasses.replace(f, multicast=False))
     kinds = [
-        build(config=Config()).kind,  # not enabled
-        build(config=Config(flashinfer_mnnvl=True), comm=no_multicast).kind,  # not on every rank
-        build(config=Config(flashinfer_mnnvl=True), quant="mxfp8").kind,  # MXFP8 is TRT-LLM only
-        build(config=Config(flashinfer_mnnvl=True), quant="fp8_per_token").kind,  # MNNVL: unrounded amax
+        build(config=FlashInferSettings()).kind,  # not enabled
+        build(config=FlashInferSettings(mnnvl=True), comm=no_multicast).kind,  # not on every rank
+        build(config=FlashInferSettings(mnnvl=True), quant="mxfp8").kind,  # MXFP8 is TRT-LLM only
+        build(config=FlashInferSettings(mnnvl=True), quant="fp8_per_token").kind,  # MNNVL: unrounded amax
     ]
     assert kinds == ["trtllm"] * 4
     assert [c["backend"] for c in state.creates] == ["mnnvl", "trtllm"]  # the trtllm ops share one
@@ -239,8 +243,8 @@ def test_mnnvl_only_when_enabled_and_every_rank_has_multicast(monkeypatch, clean
 def test_mnnvl_keeps_fp16_off_before_the_fp16_square_fix(monkeypatch, clean_env):
     reset_workspaces()
     state = install(monkeypatch, multicast=True, version="0.7.2")
-    build(config=Config(flashinfer_mnnvl=True), dtype="float16")
-    build(config=Config(flashinfer_mnnvl=True), dtype="bfloat16")
+    build(config=FlashInferSettings(mnnvl=True), dtype="float16")
+    build(config=FlashInferSettings(mnnvl=True), dtype="bfloat16")
     assert [c["backend"] for c in state.creates] == ["trtllm", "mnnvl"]
     reset_workspaces()
 
@@ -250,3 +254,14 @@ def test_never_auto(fake_fi, clean_env):
         build(quant=quant, hidden_size=128).close()
     assert {c["backend"] for c in fake_fi.creates} == {"trtllm"}
     assert all(c["dtype"] is torch.bfloat16 for c in fake_fi.creates)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "lots"])
+def test_a_bad_budget_variable_is_a_config_error_naming_it(value, monkeypatch):
+    """ARNORM_FLASHINFER_MAX_SIZE_MB must be a positive, finite number; the error names the variable."""
+    from arnorm._discovery import get_registry
+    from arnorm._settings import backend_settings
+
+    monkeypatch.setenv("ARNORM_FLASHINFER_MAX_SIZE_MB", value)
+    with pytest.raises(arnorm.ConfigError, match="ARNORM_FLASHINFER_MAX_SIZE_MB"):
+        backend_settings(get_registry().get("flashinfer").spec, None)
