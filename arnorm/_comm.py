@@ -56,9 +56,8 @@ class Comm:
         if cpu_group is None:
             # Agreement without a CPU group would silently agree with this rank alone.
             if not _supports_cpu(group):
-                raise InvalidInputError(
-                    "cpu_group: None (needs a gloo group over the ranks of a device group; Comm.resolve pairs them)"
-                )
+                msg = "cpu_group: None (needs a gloo group over the device group's ranks; Comm.resolve pairs them)"
+                raise InvalidInputError(msg)
             self.cpu_group = group
 
     @classmethod
@@ -149,13 +148,11 @@ def _cpu_twin(group: dist.ProcessGroup, cpu_group: object) -> Any:
             )
         cpu_ranks = tuple(dist.get_process_group_ranks(cpu_group))
         if cpu_ranks != ranks:
-            raise InvalidInputError(
-                f"cpu_group: ranks {list(cpu_ranks)} (needs {list(ranks)}, the ranks of tp_group, in that order)"
-            )
+            msg = f"cpu_group: ranks {list(cpu_ranks)} (needs {list(ranks)}, the ranks of tp_group, in order)"
+            raise InvalidInputError(msg)
         if not _supports_cpu(cpu_group):
-            raise InvalidInputError(
-                f"cpu_group: backend {dist.get_backend(cpu_group)} (needs gloo: agreement runs on CPU tensors)"
-            )
+            msg = f"cpu_group: backend {dist.get_backend(cpu_group)} (needs gloo: agreement runs on CPU tensors)"
+            raise InvalidInputError(msg)
         return cpu_group
     if _supports_cpu(group):
         return group

@@ -32,8 +32,8 @@ from arnorm_flashinfer._workspace import MIB, alloc_tokens, budget_mb, token_cap
 
 if TYPE_CHECKING:
     from arnorm.plugin import Comm, Problem
-    from arnorm_flashinfer._plugin import FlashInferSettings
     from arnorm_flashinfer._api import FlashInferAPI
+    from arnorm_flashinfer._plugin import FlashInferSettings
 
 __all__ = ["MEMORY_MARGIN", "Facts", "Plan", "build_modules", "decide", "local_facts", "mnnvl_blocker"]
 

@@ -303,12 +303,13 @@ def rank_through_op(
 
     install()
     use_registry()
-    arnorm._op._platform = lambda device: ("rocm", None, "gfx950")  # CPU tensors, ROCm as seen by selection
+    arnorm._op.platform_of = lambda device: ("rocm", None, "gfx950")  # CPU tensors, ROCm as seen by selection
     partials, residual, weight = inputs(world, 8, 1024, torch.bfloat16)
     results = []
     for quant, offset in cases:
         norm = arnorm.RMSNorm(1e-6, offset)
         with arnorm.AllReduceNorm(
+            torch.distributed.group.WORLD,
             hidden_size=1024, dtype=torch.bfloat16, norm=norm, quant=quant, max_tokens=64
         ) as op:
             x = partials[rank].clone()

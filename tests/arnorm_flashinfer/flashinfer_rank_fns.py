@@ -58,8 +58,8 @@ def agree_on_failure(rank: int, world: int) -> tuple[str, list[Any]]:
 
     from arnorm._comm import Comm
     from arnorm._errors import BackendSetupError
-    from arnorm_flashinfer._plugin import FlashInferSettings
     from arnorm_flashinfer._backend import FlashInferBackend
+    from arnorm_flashinfer._plugin import FlashInferSettings
 
     state = install(None, fail_build="nvcc not found" if rank == 1 else None)
     comm = Comm(dist.group.WORLD, torch.device("cpu"))

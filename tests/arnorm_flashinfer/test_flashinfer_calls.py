@@ -9,11 +9,11 @@ import torch
 from fake_flashinfer import FakeComm, P, TorchDistBackend, fake_fi_fixture, make_problem  # noqa: F401  (fixture)
 
 from arnorm import quant as Q
-from arnorm_flashinfer._plugin import FlashInferSettings
 from arnorm._errors import InvalidInputError
 from arnorm._reference import add_rmsnorm, rank_order_sum
 from arnorm_flashinfer import _workspace
 from arnorm_flashinfer._backend import FlashInferBackend
+from arnorm_flashinfer._plugin import FlashInferSettings
 
 GRAMMAR = re.compile(r"^[^:]+: .+ \(needs .+\)$")
 

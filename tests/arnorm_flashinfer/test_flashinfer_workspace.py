@@ -7,14 +7,13 @@ import re
 
 import pytest
 import torch
-
-import arnorm
 from fake_flashinfer import FakeComm, fake_fi_fixture, install, make_problem, reset_workspaces  # noqa: F401  (fixture)
 
-from arnorm_flashinfer._plugin import FlashInferSettings
+import arnorm
 from arnorm._errors import BackendSetupError
 from arnorm_flashinfer import _workspace
 from arnorm_flashinfer._backend import FlashInferBackend
+from arnorm_flashinfer._plugin import FlashInferSettings
 from arnorm_flashinfer._preflight import MEMORY_MARGIN, Facts, decide
 from arnorm_flashinfer._workspace import MIB, budget_mb, token_capacity
 
