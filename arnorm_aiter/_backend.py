@@ -28,14 +28,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from arnorm._errors import BackendSetupError
-from arnorm._types import Output, QuantizedActivation
+from arnorm.plugin import BackendSettings, BackendSetupError, Output, QuantizedActivation, format_spec
 from arnorm_aiter import _rules
 
 if TYPE_CHECKING:
-    from arnorm._comm import Comm
-    from arnorm._config import Config
-    from arnorm._problem import Problem
+    from arnorm.plugin import Comm, Problem
 
 __all__ = ["AiterBackend"]
 
@@ -85,6 +82,9 @@ class AiterBackend:
         )
         self._capturing = False
         self._one_stage: dict[int, bool] = {}
+        spec = format_spec("fp8_per_token")
+        self._codes_dtype = getattr(torch, spec.data_dtype)
+        self._scale_dtype = getattr(torch, spec.scale_dtype or "float32")
 
     # -- eligibility --------------------------------------------------------------------------
 
@@ -96,7 +96,7 @@ class AiterBackend:
         return tuple(_rules.problem_reasons(problem, _rules.installed_version()))
 
     @classmethod
-    def create(cls, problem: Problem, comm: Comm, config: Config) -> AiterBackend:
+    def create(cls, problem: Problem, comm: Comm, settings: BackendSettings) -> AiterBackend:
         if comm.cpu_group is None or comm.world_size != problem.world_size:
             ws = comm.world_size
             msg = f"aiter setup: world size {ws} (needs {problem.world_size} ranks with a CPU group)"
@@ -159,8 +159,9 @@ class AiterBackend:
                 gemma_norm=self._gemma,
             )
             return Output(normed, res_out, None)
-        data = torch.empty(hidden_states.shape, dtype=torch.float8_e4m3fn, device=hidden_states.device)
-        token_scale = torch.empty((tokens, 1), dtype=torch.float32, device=hidden_states.device)
+        # Shapes as arnorm's format table has them: codes [T, H], per-token scales [T, 1].
+        data = torch.empty(hidden_states.shape, dtype=self._codes_dtype, device=hidden_states.device)
+        token_scale = torch.empty((tokens, 1), dtype=self._scale_dtype, device=hidden_states.device)
         result = self._car.fused_ar_rms(
             hidden_states,
             residual,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from arnorm.plugin import BackendSpec, Capabilities, hookimpl
+from arnorm_aiter._rules import MIN_VERSION
 
 __all__ = ["CAPABILITIES", "arnorm_backends"]
 
@@ -15,6 +16,8 @@ CAPABILITIES = Capabilities(
     world_sizes=frozenset({2, 4, 8}),
     hidden_multiple=8,
     max_hidden=16384,
+    # The plain norm, or Gemma's weight + 1 (``gemma_norm``).
+    weight_offsets=frozenset({0.0, 1.0}),
 )
 
 
@@ -29,6 +32,10 @@ def arnorm_backends() -> list[BackendSpec]:
             requires=("aiter",),
             extra="aiter",
             distribution="amd-aiter",
+            # Older 1-stage kernels lack their final cross-rank barrier (ROCm/aiter#4346): an
+            # installed aiter below this is reported "outdated", never probed.
+            min_version=MIN_VERSION,
+            install_hint="amd-aiter >= 0.1.19.post1 built from ROCm/aiter, see docs/aiter.md",
             description="ROCm AITER custom all-reduce fused with residual add + RMSNorm (+ per-token fp8)",
         )
     ]

@@ -23,7 +23,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from arnorm._problem import Problem
+    from arnorm.plugin import Problem
 
 __all__ = [
     "ARCHS",
@@ -167,8 +167,6 @@ def problem_reasons(problem: Problem, version: str | None) -> list[str]:
             f"quant: fp8_per_token on {arch} (needs {' or '.join(E4M3FN_ARCHS)}: {arch} writes e4m3fnuz, "
             "max 240, not arnorm's e4m3fn)"
         )
-    if problem.weight_offset not in (0.0, 1.0):
-        reasons.append(f"weight offset: {problem.weight_offset:g} (needs 0 or 1)")
     size = _ITEMSIZE.get(problem.dtype, 0)
     if fp8 and size and problem.hidden_size * size > ONE_STAGE_MAX_PACKS * PACK_BYTES:
         limit = ONE_STAGE_MAX_PACKS * PACK_BYTES // size

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from arnorm._discovery import Registry, reset_registry
 from arnorm._reference import ReferenceBackend
-from arnorm.plugin import BackendSpec, Capabilities, Output, add_rmsnorm, quantize_output
+from arnorm.plugin import BackendSettings, BackendSpec, Capabilities, Output, add_rmsnorm, quantize_output
 
 CPU_ANY = Capabilities(platforms=frozenset({"cpu", "cuda"}))
 
@@ -28,7 +28,7 @@ class AllReduceBackend:
         return cls.probe_reasons
 
     @classmethod
-    def create(cls, problem, comm, config):
+    def create(cls, problem, comm, settings):
         if cls.fail_setup_on_rank == comm.rank:
             raise RuntimeError("workspace allocation failed")
         return cls(problem, comm)
@@ -51,6 +51,12 @@ class AllReduceBackend:
         type(self).closed.append(self.name)
 
 
+class FastSettings(BackendSettings):
+    """A backend setting that changes the collective, so ranks must agree on it."""
+
+    exact: bool = False
+
+
 class SmallBackend(AllReduceBackend):
     name: ClassVar[str] = "small"
     limit: ClassVar[int | None] = 4
@@ -67,6 +73,17 @@ class ProbeRejectsBackend(AllReduceBackend):
 
 
 def spec(name: str, priority: int, cls: str, caps: Capabilities = CPU_ANY, **kw) -> BackendSpec:
+    """A descriptor for backend ``name`` implemented by class ``cls`` (renamed to ``name`` when they differ).
+
+    The core checks that a loaded class's ``name`` is the registered one, so a second name for
+    the same behaviour gets its own subclass, made importable under ``fake_backends``.
+    """
+    base = globals()[cls]
+    if base.name != name:
+        alias = f"{cls}_as_{name}"
+        if alias not in globals():
+            globals()[alias] = type(alias, (base,), {"name": name, "__module__": __name__})
+        cls = alias
     return BackendSpec(name=name, priority=priority, capabilities=caps, loader=f"fake_backends:{cls}", **kw)
 
 

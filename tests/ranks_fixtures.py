@@ -25,6 +25,7 @@ def reference_matches(
     partials, residual, weight = make_inputs(rank, world, tokens, hidden, dtype)
     scale = torch.tensor([0.05]) if quant in ("fp8_static", "nvfp4") else None
     with arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
         hidden_size=hidden,
         dtype=dtype,
         norm=arnorm.RMSNorm(1e-6, 1.0),
@@ -43,11 +44,33 @@ def choice_under_env(rank: int, world: int):
     import fake_backends
 
     fake_backends.install_default()
-    op = arnorm.AllReduceNorm(hidden_size=32, dtype=torch.float32, max_tokens=8)
+    op = arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
+        hidden_size=32,
+        dtype=torch.float32,
+        max_tokens=8,
+        norm=arnorm.RMSNorm(1e-6),
+    )
     try:
         return op.backend, str(op.explain())
     finally:
         op.close()
+
+
+def fallback_after_setup_failure(rank: int, world: int):
+    """Auto mode with a backend whose setup fails on rank 1: the backend used and flaky's verdict."""
+    import fake_backends
+
+    fake_backends.install(fake_backends.spec("flaky", 70, "FailingSetupBackend"))
+    with arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
+        hidden_size=32,
+        dtype=torch.float32,
+        norm=arnorm.RMSNorm(1e-6),
+        max_tokens=8,
+    ) as op:
+        verdict = op.explain().verdict("flaky")
+        return op.backend, verdict.status, verdict.reasons
 
 
 def error_under_env(rank: int, world: int, backend: str | None):
@@ -56,7 +79,14 @@ def error_under_env(rank: int, world: int, backend: str | None):
 
     fake_backends.install(fake_backends.spec("flaky", 70, "FailingSetupBackend"))
     try:
-        arnorm.AllReduceNorm(hidden_size=32, dtype=torch.float32, max_tokens=8, backend=backend)
+        arnorm.AllReduceNorm(
+            torch.distributed.group.WORLD,
+            hidden_size=32,
+            dtype=torch.float32,
+            max_tokens=8,
+            backend=backend,
+            norm=arnorm.RMSNorm(1e-6),
+        )
     except arnorm.ArnormError as exc:
         return type(exc).__name__, str(exc)
     return None, ""
@@ -65,7 +95,13 @@ def error_under_env(rank: int, world: int, backend: str | None):
 def mismatched_hidden(rank: int, world: int):
     """Ranks pass different hidden sizes: every rank must raise the same error."""
     try:
-        arnorm.AllReduceNorm(hidden_size=32 + 32 * rank, dtype=torch.float32, max_tokens=8)
+        arnorm.AllReduceNorm(
+            torch.distributed.group.WORLD,
+            hidden_size=32 + 32 * rank,
+            dtype=torch.float32,
+            max_tokens=8,
+            norm=arnorm.RMSNorm(1e-6),
+        )
     except arnorm.InvalidInputError as exc:
         return str(exc)
     return "no error"
@@ -74,7 +110,13 @@ def mismatched_hidden(rank: int, world: int):
 def bad_call_then_good(rank: int, world: int):
     """A rejected call leaves the op usable: the next valid call runs the collective fine."""
     partials, residual, weight = make_inputs(rank, world, 4, 32, torch.float32)
-    op = arnorm.AllReduceNorm(hidden_size=32, dtype=torch.float32, max_tokens=8)
+    op = arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
+        hidden_size=32,
+        dtype=torch.float32,
+        max_tokens=8,
+        norm=arnorm.RMSNorm(1e-6),
+    )
     messages = []
     for bad in (partials[rank][:, :16], partials[rank].double(), partials[rank].t()):
         try:
@@ -92,7 +134,13 @@ def reference_matches_on_cuda(rank: int, world: int, tokens: int, hidden: int):
     partials, residual, weight = make_inputs(rank, world, tokens, hidden, torch.bfloat16)
     dev = torch.device("cuda", 0)
     with arnorm.AllReduceNorm(
-        hidden_size=hidden, dtype=torch.bfloat16, max_tokens=16, backend="reference", device=dev
+        torch.distributed.group.WORLD,
+        hidden_size=hidden,
+        dtype=torch.bfloat16,
+        max_tokens=16,
+        backend="reference",
+        device=dev,
+        norm=arnorm.RMSNorm(1e-6),
     ) as op:
         out = op(partials[rank].to(dev), residual.to(dev), weight.to(dev))
         h, y = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 0.0)
@@ -100,10 +148,20 @@ def reference_matches_on_cuda(rank: int, world: int, tokens: int, hidden: int):
 
 
 def mismatched_exact_mode(rank: int, world: int):
-    """Ranks differ in Config.triton_exact (a different collective): every rank raises the same error."""
+    """Ranks differ in a backend setting (a different collective): every rank raises the same error."""
+    import fake_backends
+
+    fake_backends.install(
+        fake_backends.spec("fast", 50, "AllReduceBackend", settings=fake_backends.FastSettings)
+    )
     try:
         arnorm.AllReduceNorm(
-            hidden_size=32, dtype=torch.float32, max_tokens=8, config=arnorm.Config(triton_exact=bool(rank))
+            torch.distributed.group.WORLD,
+            hidden_size=32,
+            dtype=torch.float32,
+            max_tokens=8,
+            config=arnorm.Config(settings={"fast": {"exact": bool(rank)}}),
+            norm=arnorm.RMSNorm(1e-6),
         )
     except arnorm.InvalidInputError as exc:
         return str(exc)

@@ -58,7 +58,7 @@ def test_each_aspect_has_its_reason():
         "platform: cpu (needs cuda)": problem(platform="cpu", device_type="cpu", arch=None),
         "dtype: float32 (needs bfloat16 or float16)": problem(dtype="float32"),
         "quant: mxfp8 (needs fp8_static, none or nvfp4)": problem(quant="mxfp8", scale_layout="linear"),
-        "world size: 3 (needs 16, 2, 4 or 8)": problem(world_size=3),
+        "world size: 3 (needs 2, 4, 8 or 16)": problem(world_size=3),
         "compute capability: 8.0 (needs >= 9.0)": problem(arch=(8, 0)),
         "compute capability: 9.0 (needs >= 10.0 for nvfp4)": problem(
             quant="nvfp4", scale_layout="swizzled_128x4"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arnorm import Config, InvalidInputError
+from arnorm import Config, ConfigError, InvalidInputError
 from arnorm._select import Preference
 
 
@@ -12,33 +12,24 @@ def test_env_lists_are_parsed(clean_env):
     """ARNORM_BACKEND and ARNORM_DISABLE take comma lists, blanks ignored, order kept."""
     clean_env.setenv("ARNORM_BACKEND", " triton , reference,")
     clean_env.setenv("ARNORM_DISABLE", "flashinfer")
-    clean_env.setenv("ARNORM_TRITON_EXACT", "1")
     c = Config()
-    assert c.backend == ("triton", "reference") and c.disable == ("flashinfer",) and c.triton_exact
+    assert c.backend == ("triton", "reference") and c.disable == ("flashinfer",)
 
 
 def test_every_field_has_its_variable(clean_env):
-    """Each Config field is set by ARNORM_<FIELD>."""
-    values = {
-        "backend": "x",
-        "disable": "y",
-        "triton_exact": "true",
-        "flashinfer_mnnvl": "true",
-        "flashinfer_max_size_mb": "3.5",
-        "flashinfer_shared_gpu": "1",
-    }
+    """Each core Config field but ``settings`` (code only) is set by ARNORM_<FIELD>."""
+    values = {"backend": "x", "disable": "y", "check_calls": "1", "probe_timeout": "2.5"}
     for field, value in values.items():
         clean_env.setenv(f"ARNORM_{field.upper()}", value)
     c = Config()
-    assert set(values) == set(Config.model_fields)
-    assert (c.backend, c.disable, c.triton_exact, c.flashinfer_mnnvl, c.flashinfer_max_size_mb) == (
-        ("x",),
-        ("y",),
-        True,
-        True,
-        3.5,
-    )
-    assert c.flashinfer_shared_gpu
+    assert set(values) | {"settings"} == set(Config.model_fields)
+    assert (c.backend, c.disable, c.check_calls, c.probe_timeout) == (("x",), ("y",), True, 2.5)
+
+
+def test_backend_fields_left_the_core_config(clean_env):
+    """triton_exact and flashinfer_* are backend settings now; Config rejects them as fields."""
+    with pytest.raises(ConfigError, match=r"Config.triton_exact"):
+        Config(triton_exact=True)  # type: ignore[call-arg]
 
 
 def test_precedence_argument_config_env_auto(clean_env):
@@ -59,11 +50,18 @@ def test_empty_backend_argument_is_rejected(clean_env):
 
 
 def test_unknown_field_is_rejected():
-    """A misspelt field fails loudly instead of being ignored."""
-    import pydantic
-
-    with pytest.raises(pydantic.ValidationError):
+    """A misspelt field fails loudly, as a ConfigError naming it, instead of being ignored."""
+    with pytest.raises(ConfigError, match=r"Config.backends: 'x' \(extra inputs are not permitted"):
         Config(backends="x")  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("probe_timeout", 0), ("probe_timeout", -1), ("check_calls", "maybe")]
+)
+def test_bad_values_in_code_are_config_errors(field, value):
+    """Config() with a bad value raises arnorm.ConfigError (not pydantic's ValidationError)."""
+    with pytest.raises(ConfigError, match=rf"Config.{field}: "):
+        Config(**{field: value})
 
 
 def test_malformed_variable_is_a_config_error_naming_it(clean_env):
@@ -71,8 +69,8 @@ def test_malformed_variable_is_a_config_error_naming_it(clean_env):
     from arnorm import ConfigError
     from arnorm._config import load_config
 
-    clean_env.setenv("ARNORM_TRITON_EXACT", "maybe")
-    with pytest.raises(ConfigError, match=r"ARNORM_TRITON_EXACT: 'maybe' \("):
+    clean_env.setenv("ARNORM_CHECK_CALLS", "maybe")
+    with pytest.raises(ConfigError, match=r"ARNORM_CHECK_CALLS: 'maybe' \("):
         load_config()
 
 

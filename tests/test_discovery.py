@@ -35,7 +35,7 @@ def test_missing_requirement_is_not_installed_with_the_fix():
         )
     )
     info = reg.get("gone")
-    assert info.status == "not installed"
+    assert info.status == "not_installed"
     assert info.reason == "not installed: no_such_module_xyz (needs pip install 'arnorm[gone]')"
 
 
@@ -49,7 +49,7 @@ def test_hook_that_raises_is_broken_and_warns():
     with pytest.warns(ArnormWarning, match="boom"):
         reg.add_from_hook("badplugin", bad_hook)
     assert reg.get("badplugin").status == "broken"
-    assert reg.get("badplugin").reason == "plugin: RuntimeError: boom (needs a working install)"
+    assert reg.get("badplugin").reason == "plugin: RuntimeError: boom (needs a working plugin)"
 
 
 def test_hook_returning_garbage_is_broken():
@@ -93,7 +93,7 @@ def test_broken_distribution_on_sys_path_does_not_break_the_core():
             infos = {i.name: i for i in arnorm.backends()}
         warned = sum("'broken'" in str(x.message) for x in w)
         print(infos["broken"].status, "|", infos["broken"].reason, "|", warned)
-        op = arnorm.AllReduceNorm(hidden_size=16, dtype=torch.float32, max_tokens=4, backend="reference")
+        op = arnorm.AllReduceNorm(arnorm.LOCAL, hidden_size=16, dtype=torch.float32, max_tokens=4, backend="reference", norm=arnorm.RMSNorm(1e-6))
         print(op.explain().rejections().get("broken", ("-",))[0])
         """
     )
@@ -102,5 +102,5 @@ def test_broken_distribution_on_sys_path_does_not_break_the_core():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ, **env}
     ).stdout.splitlines()
-    assert out[0] == "broken | plugin: ImportError: compiled for another torch (needs a working install) | 1"
+    assert out[0] == "broken | plugin: ImportError: compiled for another torch (needs a working plugin) | 1"
     assert out[1] == "-"  # a strict choice never even looks at the broken plugin

@@ -27,10 +27,17 @@ def test_example_is_discovered_with_its_version():
 def test_priority_orders_example_between_triton_and_reference(clean_env):
     """Auto mode ranks the example (10) below triton (100) and above the reference (0)."""
     clean_env.setenv("ARNORM_DISABLE", "triton")
-    with arnorm.AllReduceNorm(hidden_size=64, dtype=torch.bfloat16, max_tokens=8, device="cpu") as op:
+    with arnorm.AllReduceNorm(
+        arnorm.LOCAL,
+        hidden_size=64,
+        dtype=torch.bfloat16,
+        max_tokens=8,
+        device="cpu",
+        norm=arnorm.RMSNorm(1e-6),
+    ) as op:
         order = [v.backend for v in op.explain().verdicts]
         assert op.backend == "example"
-    assert order.index("example") < order.index("reference")
+    assert order.index("triton") < order.index("example") < order.index("reference")
 
 
 def test_selected_by_env_and_correct(clean_env):
@@ -41,7 +48,12 @@ def test_selected_by_env_and_correct(clean_env):
     w = torch.randn(64, generator=g).bfloat16()
     expect_h, expect_y = add_rmsnorm(x.clone(), r, w, 1e-6, 1.0)
     with arnorm.AllReduceNorm(
-        hidden_size=64, dtype=torch.bfloat16, norm=arnorm.RMSNorm(1e-6, 1.0), max_tokens=8, device="cpu"
+        arnorm.LOCAL,
+        hidden_size=64,
+        dtype=torch.bfloat16,
+        norm=arnorm.RMSNorm(1e-6, 1.0),
+        max_tokens=8,
+        device="cpu",
     ) as op:
         assert op.backend == "example" and op.explain().source == "ARNORM_BACKEND"
         out = op(x, r, w)
@@ -54,5 +66,11 @@ def test_strict_unsupported_format_names_the_reason(clean_env):
         arnorm.NoEligibleBackendError, match=r"quant: nvfp4 \(needs fp8_per_token, fp8_static or none\)"
     ):
         arnorm.AllReduceNorm(
-            hidden_size=64, dtype=torch.bfloat16, quant="nvfp4", backend="example", device="cpu"
+            arnorm.LOCAL,
+            hidden_size=64,
+            dtype=torch.bfloat16,
+            quant="nvfp4",
+            backend="example",
+            device="cpu",
+            norm=arnorm.RMSNorm(1e-6),
         )

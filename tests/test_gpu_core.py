@@ -24,14 +24,18 @@ def _inputs(t=8, h=1024, dtype=torch.bfloat16):
 
 def test_default_device_is_the_current_gpu(clean_env):
     """Without device=, an op lives on the current CUDA device and reports its compute capability."""
-    with arnorm.AllReduceNorm(hidden_size=1024, dtype=torch.bfloat16, backend="reference") as op:
+    with arnorm.AllReduceNorm(
+        arnorm.LOCAL, hidden_size=1024, dtype=torch.bfloat16, backend="reference", norm=arnorm.RMSNorm(1e-6)
+    ) as op:
         assert op.problem.platform == "cuda" and op.problem.arch == torch.cuda.get_device_capability()
 
 
 def test_cpu_tensor_to_gpu_op_is_rejected(clean_env):
     """A CPU tensor passed to a CUDA op is rejected naming the argument and both devices."""
     x, r, w = _inputs()
-    with arnorm.AllReduceNorm(hidden_size=1024, dtype=torch.bfloat16, backend="reference") as op:
+    with arnorm.AllReduceNorm(
+        arnorm.LOCAL, hidden_size=1024, dtype=torch.bfloat16, backend="reference", norm=arnorm.RMSNorm(1e-6)
+    ) as op:
         with pytest.raises(arnorm.InvalidInputError, match=r"residual: device cpu \(needs cuda:0"):
             op(x, r.cpu(), w)
         assert torch.equal(op(x.clone(), r, w).normed, add_rmsnorm(x, r, w, 1e-6, 0.0)[1])
@@ -41,7 +45,13 @@ def test_reference_call_replays_in_a_cuda_graph(clean_env):
     """A captured call replays with new inputs copied into the captured buffers."""
     x, r, w = _inputs()
     with arnorm.AllReduceNorm(
-        hidden_size=1024, dtype=torch.bfloat16, quant="fp8_per_token", inplace=False, backend="reference"
+        arnorm.LOCAL,
+        hidden_size=1024,
+        dtype=torch.bfloat16,
+        quant="fp8_per_token",
+        inplace=False,
+        backend="reference",
+        norm=arnorm.RMSNorm(1e-6),
     ) as op:
         op(x, r, w)  # warm-up outside the graph
         graph = torch.cuda.CUDAGraph()
@@ -59,7 +69,9 @@ def test_reference_call_replays_in_a_cuda_graph(clean_env):
 def test_compiled_model_with_inductor(clean_env):
     """torch.compile(fullgraph=True) with inductor calls the op through torch.ops.arnorm on the GPU."""
     x, r, w = _inputs()
-    with arnorm.AllReduceNorm(hidden_size=1024, dtype=torch.bfloat16, backend="reference") as op:
+    with arnorm.AllReduceNorm(
+        arnorm.LOCAL, hidden_size=1024, dtype=torch.bfloat16, backend="reference", norm=arnorm.RMSNorm(1e-6)
+    ) as op:
 
         def step(x, r, w):
             out = op(x, r, w)

@@ -29,8 +29,13 @@ def test_ranks_disagreeing_on_disable_end_in_the_same_choice():
 
 def test_setup_failure_on_one_rank_falls_back_everywhere():
     """A backend whose workspace fails on rank 1 is dropped on all ranks, with that rank's reason."""
-    results = run_ranks(2, rf.error_under_env, None)
-    assert results == [(None, "")] * 2
+    results = run_ranks(2, rf.fallback_after_setup_failure)
+    assert results[0] == results[1]
+    backend, status, reasons = results[0]
+    assert (backend, status) == ("reference", "setup_failed")
+    assert any(r.startswith("rank 1: setup: RuntimeError: workspace allocation failed") for r in reasons), (
+        reasons
+    )
 
 
 def test_strict_setup_failure_raises_the_same_error_on_every_rank():
@@ -56,7 +61,9 @@ def test_bad_call_on_every_rank_leaves_the_collective_usable():
 
 
 def test_ranks_with_different_backend_options_raise_the_same_error():
-    """Config options that pick the collective (triton_exact) must match; otherwise all ranks raise."""
+    """Backend settings (which may pick the collective) must match; otherwise all ranks raise."""
     results = run_ranks(2, rf.mismatched_exact_mode)
     assert results[0] == results[1]
-    assert results[0].startswith("ranks disagree on Config.triton_exact (rank 0: Config.triton_exact=False")
+    assert results[0].startswith(
+        "ranks disagree on settings of fast (rank 0: settings of fast={'exact': False}"
+    )

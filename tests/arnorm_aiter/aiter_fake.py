@@ -310,7 +310,11 @@ def rank_through_op(
         norm = arnorm.RMSNorm(1e-6, offset)
         with arnorm.AllReduceNorm(
             torch.distributed.group.WORLD,
-            hidden_size=1024, dtype=torch.bfloat16, norm=norm, quant=quant, max_tokens=64
+            hidden_size=1024,
+            dtype=torch.bfloat16,
+            norm=norm,
+            quant=quant,
+            max_tokens=64,
         ) as op:
             x = partials[rank].clone()
             out = op(x, residual, weight)

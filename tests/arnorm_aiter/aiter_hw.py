@@ -32,7 +32,9 @@ def _ops(case: dict[str, Any], max_tokens: int) -> tuple[arnorm.AllReduceNorm, a
         "normed_output": case.get("normed", True),
     }
     return (
-        arnorm.AllReduceNorm(torch.distributed.group.WORLD, backend="aiter", inplace=case.get("inplace", True), **kw),
+        arnorm.AllReduceNorm(
+            torch.distributed.group.WORLD, backend="aiter", inplace=case.get("inplace", True), **kw
+        ),
         arnorm.AllReduceNorm(torch.distributed.group.WORLD, backend="reference", inplace=False, **kw),
     )
 

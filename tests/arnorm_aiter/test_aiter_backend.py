@@ -9,6 +9,7 @@ import torch
 from aiter_fake import FakeComm, inputs, install, problem
 
 import arnorm
+import arnorm.quant
 from arnorm._errors import BackendSetupError
 from arnorm_aiter import _backend, _numerics, _rules
 from arnorm_aiter._backend import AiterBackend

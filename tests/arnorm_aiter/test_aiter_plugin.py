@@ -22,7 +22,9 @@ def test_descriptor_fields():
     assert spec.loader == "arnorm_aiter._backend:AiterBackend"
     assert spec.requires == ("aiter",)
     assert spec.capabilities == CAPABILITIES
-    assert spec.fix_hint() == "pip install 'arnorm[aiter]'"
+    assert spec.min_version == "0.1.19.post1"
+    # The public index's aiter is too old: the hint says where a usable one comes from.
+    assert spec.fix_hint() == "amd-aiter >= 0.1.19.post1 built from ROCm/aiter, see docs/aiter.md"
 
 
 def test_entry_point_declared():
@@ -30,7 +32,7 @@ def test_entry_point_declared():
     with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
         project = tomllib.load(f)["project"]
     assert project["entry-points"]["arnorm.backends"]["aiter"] == "arnorm_aiter._plugin"
-    assert project["optional-dependencies"]["aiter"] == ["amd-aiter"]
+    assert project["optional-dependencies"]["aiter"] == ["amd-aiter>=0.1.19.post1"]
     installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="arnorm.backends")}
     if "aiter" not in installed:
         pytest.skip("the installed metadata predates the aiter entry point (reinstall: pip install -e .)")
@@ -41,8 +43,27 @@ def test_entry_point_declared():
 def test_listed_quietly_as_not_installed():
     use_registry()
     info = {b.name: b for b in arnorm.backends()}["aiter"]
-    assert info.status == "not installed"
-    assert "pip install 'arnorm[aiter]'" in info.reason
+    assert info.status == "not_installed"
+    assert (
+        info.reason
+        == "not installed: aiter (needs amd-aiter >= 0.1.19.post1 built from ROCm/aiter, see docs/aiter.md)"
+    )
+
+
+def test_an_installed_aiter_below_the_floor_is_outdated_with_its_version(monkeypatch):
+    """An aiter older than 0.1.19.post1 (the public index's 0.1.7) is listed as outdated, not available."""
+    import importlib.metadata as md
+
+    from arnorm._discovery import Registry
+
+    real_version = md.version
+    monkeypatch.setattr(md, "version", lambda d: "0.1.7.post2.dev18" if d == "amd-aiter" else real_version(d))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "aiter" else None)
+    registry = Registry()
+    registry.add_from_hook("aiter", arnorm_backends)
+    info = registry.get("aiter")
+    assert info.status == "outdated"
+    assert info.reason.startswith("version: amd-aiter 0.1.7.post2.dev18 (needs >= 0.1.19.post1")
 
 
 @pytest.mark.parametrize(

@@ -74,10 +74,10 @@ def test_probe_through_selection_lists_the_reasons(monkeypatch):
     assert get_registry().get("aiter").status == "available"  # the fake is importable
     auto = Preference(None, "auto")
     verdicts = check_locally(problem(gfx_arch="gfx942", quant="fp8_per_token"), get_registry(), auto)
-    assert verdicts["aiter"] == (200, (FNUZ,))
-    assert verdicts["reference"] == (0, ())
-    assert check_locally(problem(), get_registry(), auto)["aiter"] == (200, ())
-    assert check_locally(problem(world_size=6), get_registry(), auto)["aiter"] == (
-        200,
-        ("world size: 6 (needs 2, 4 or 8)",),
-    )
+    assert (verdicts["aiter"].status, verdicts["aiter"].reasons) == ("incompatible", (FNUZ,))
+    assert verdicts["reference"].status == "eligible"
+    assert check_locally(problem(), get_registry(), auto)["aiter"].status == "eligible"
+    six = check_locally(problem(world_size=6), get_registry(), auto)["aiter"]
+    assert six.reasons == ("world size: 6 (needs 2, 4 or 8)",)
+    offset = check_locally(problem(weight_offset=0.5), get_registry(), auto)["aiter"]
+    assert offset.reasons == ("weight offset: 0.5 (needs 0 or 1)",)

@@ -117,7 +117,6 @@ FLOOR = (
                 "not arnorm's e4m3fn)"
             ],
         ),
-        ({"weight_offset": 0.5}, "0.1.20", ["weight offset: 0.5 (needs 0 or 1)"]),
         (
             {"quant": "fp8_per_token", "hidden_size": 8200},
             "0.1.20",

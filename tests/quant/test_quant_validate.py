@@ -23,11 +23,15 @@ def test_public_names() -> None:
     """The module exports exactly the fixed public API and the format/layout tuples."""
     assert quant.__all__ == [
         "FORMATS",
+        "FORMAT_SPECS",
         "LAYOUTS",
+        "FormatSpec",
         "check_format",
         "check_scale",
         "default_layout",
         "dequantize",
+        "empty_quantized",
+        "format_spec",
         "quantize",
         "swizzle_128x4",
         "unswizzle_128x4",

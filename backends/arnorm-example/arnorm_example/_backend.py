@@ -10,26 +10,28 @@ from arnorm.plugin import Output, add_rmsnorm, quantize_output
 class ExampleBackend:
     name = "example"
 
-    def __init__(self, problem, comm):
+    def __init__(self, problem, comm, settings):
         self.problem, self.comm = problem, comm
         # The reference's own math: compiled, it still rounds where the contract rounds.
-        self._norm = torch.compile(add_rmsnorm, dynamic=True) if problem.platform != "cpu" else add_rmsnorm
+        use_compile = settings.compile and problem.platform != "cpu"
+        self._norm = torch.compile(add_rmsnorm, dynamic=True) if use_compile else add_rmsnorm
 
     @classmethod
     def probe(cls, problem):
         return ()
 
     @classmethod
-    def create(cls, problem, comm, config):
-        return cls(problem, comm)
+    def create(cls, problem, comm, settings):
+        return cls(problem, comm, settings)
 
     def check_tokens(self, num_tokens):
         return ()
 
     def __call__(self, hidden_states, residual, weight, scale):
         p = self.problem
+        # Round the reduced sum to the dtype before the residual add: the contract's first rounding.
         reduced = self.comm.all_reduce_(hidden_states.float()).to(hidden_states.dtype)
-        h, y = self._norm(reduced, residual, weight, p.eps, p.weight_offset)
+        h, y = self._norm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)

@@ -1,6 +1,17 @@
 """The entry point: a cheap descriptor; the implementation loads only when probed."""
 
-from arnorm.plugin import BackendSpec, Capabilities, hookimpl
+from pydantic import Field
+
+from arnorm.plugin import BackendSettings, BackendSpec, Capabilities, hookimpl
+
+
+class ExampleSettings(BackendSettings):
+    """``ARNORM_EXAMPLE_*``: read from the environment, agreed across ranks, handed to ``create``."""
+
+    compile: bool = Field(
+        default=True,
+        description="Compile the norm with torch.compile on GPUs (ARNORM_EXAMPLE_COMPILE=0: eager).",
+    )
 
 
 @hookimpl
@@ -13,9 +24,11 @@ def arnorm_backends():
                 platforms=frozenset({"cpu", "cuda"}),
                 dtypes=frozenset({"bfloat16", "float16", "float32"}),
                 quant=frozenset({"none", "fp8_static", "fp8_per_token"}),
+                round_before_weight=True,
             ),
             loader="arnorm_example._backend:ExampleBackend",
             distribution="arnorm-example",
+            settings=ExampleSettings,
             description="all-reduce in fp32, then add + RMSNorm (+ fp8) compiled with torch.compile",
         )
     ]
