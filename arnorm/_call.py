@@ -117,7 +117,9 @@ def agree_call(comm: Any, rules: CallRules, seq: int, hidden_states: Any, residu
     and raise the same error on every rank when they differ or any rank rejects its arguments."""
 
     def fingerprint(t: Any) -> Any:
-        return (tuple(t.shape), str(t.dtype), t.device.type) if hasattr(t, "shape") else type(t).__name__
+        if not hasattr(t, "shape"):
+            return type(t).__name__
+        return f"{list(t.shape)} {t.dtype} {t.device.type}"
 
     try:
         check_call(rules, hidden_states, residual, weight, scale)

@@ -165,13 +165,29 @@ def _define_ops() -> None:
         def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
             return _fake_outputs(_lookup(handle), hidden_states, True)
 
-        def backward(ctx: Any, *grads: Any) -> Any:
+        # The backward is an op of its own: AOT autograd traces it at compile time through the
+        # fake (so compiling a model whose parameters require grad works), and running it raises.
+        @torch.library.custom_op("arnorm::inference_only", mutates_args=(), schema="(Tensor like) -> Tensor")
+        def inference_only(like: torch.Tensor) -> torch.Tensor:
             from arnorm._call import INFERENCE_ONLY
             from arnorm._errors import InferenceOnlyError
 
             raise InferenceOnlyError(INFERENCE_ONLY)
 
-        all_reduce_norm.register_autograd(backward)
+        @inference_only.register_fake
+        def _(like):  # type: ignore[no-untyped-def]
+            return torch.empty_like(like)
+
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            ctx.save_for_backward(inputs[1], inputs[2], inputs[3])
+
+        def backward(ctx: Any, *grads: Any) -> Any:
+            # Every differentiable input gets the raising op as its gradient, so that whichever
+            # one autograd needs (a weight that is a parameter, usually) runs it.
+            marks = [torch.ops.arnorm.inference_only(t) for t in ctx.saved_tensors]
+            return None, *marks, None
+
+        all_reduce_norm.register_autograd(backward, setup_context=setup_context)
         _defined = True
 
 

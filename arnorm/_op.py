@@ -258,7 +258,8 @@ class AllReduceNorm:
         self._trusted_scales = self._trust.scales
         self._last_weight: Any = None
         self._last_wptr = -1
-        self._busy = False
+        # Acquired without blocking: atomic, so two threads can never both run a call.
+        self._in_call = threading.Lock()
         self._check_calls = bool(config.check_calls)
         self._seq = 0
         self._is_compiling = torch.compiler.is_compiling
@@ -292,9 +293,8 @@ class AllReduceNorm:
         if self._check_calls:
             self._seq += 1
             agree_call(self._comm, self._rules, self._seq, hidden_states, residual, weight, scale)
-        if self._busy:
+        if not self._in_call.acquire(False):
             raise InvalidInputError("op: called from two threads at once (needs one call at a time per op)")
-        self._busy = True
         try:
             # One combined test of arnorm._validate's rule (that module says it in words, and
             # check_call builds the message when this fails); a property test holds them equal.
@@ -362,7 +362,7 @@ class AllReduceNorm:
             out = impl(hidden_states, residual, weight, scale)
             return guard(out, hidden_states, residual, weight) if grad else out
         finally:
-            self._busy = False
+            self._in_call.release()
 
     def _trust_weight(self, weight: Any, ptr: int) -> bool:
         # The weight of the last call is checked by identity alone next time (one op per layer);
@@ -398,7 +398,7 @@ class AllReduceNorm:
         """The backend a call with ``num_tokens`` tokens runs on."""
         impl = self._table[self._check_tokens_arg(num_tokens)]
         if impl is None:
-            raise NoEligibleBackendError(f"tokens: {num_tokens} (no backend of this op serves it; see op.explain({num_tokens}))")
+            raise no_backend(num_tokens)
         return self._explanation.chain[self._chain.index(impl)]
 
     def input_buffer(self, num_tokens: int) -> torch.Tensor | None:

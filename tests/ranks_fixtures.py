@@ -166,3 +166,71 @@ def mismatched_exact_mode(rank: int, world: int):
     except arnorm.InvalidInputError as exc:
         return str(exc)
     return "no error"
+
+
+def check_calls_catches_divergence(rank: int, world: int):
+    """ARNORM_CHECK_CALLS=1: different token counts, then a call rejected on rank 1 only."""
+    import os
+
+    os.environ["ARNORM_CHECK_CALLS"] = "1"
+    op = arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
+        hidden_size=32,
+        dtype=torch.float32,
+        norm=arnorm.RMSNorm(1e-6),
+        max_tokens=8,
+    )
+    messages = []
+    t = 3 + rank  # rank 0 passes 3 tokens, rank 1 passes 4
+    partials, residual, weight = make_inputs(rank, world, t, 32, torch.float32)
+    for args in (
+        (partials[rank], residual, weight),
+        # rank 1 alone passes a bad dtype: without the check it would skip the collective
+        (partials[rank].double() if rank == 1 else partials[rank], residual, weight),
+    ):
+        try:
+            op(*args)
+            messages.append("ok")
+        except arnorm.InvalidInputError as exc:
+            messages.append(str(exc))
+    # Both rejections happened on every rank: the next good call is still paired correctly.
+    partials, residual, weight = make_inputs(rank, world, 4, 32, torch.float32)
+    out = op(partials[rank].clone(), residual, weight)
+    h, _ = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 0.0)
+    op.close()
+    return messages, torch.equal(out.residual, h)
+
+
+def rank_dependent_token_budget(rank: int, world: int):
+    """A backend serving 2 tokens on rank 0 and 6 on rank 1, and one whose check_tokens raises on rank 1."""
+    import fake_backends
+
+    class Uneven(fake_backends.AllReduceBackend):
+        name = "uneven"
+
+        def check_tokens(self, num_tokens):
+            limit = 2 if self.comm.rank == 0 else 6
+            return () if num_tokens <= limit else (f"tokens: {num_tokens} (needs <= {limit})",)
+
+    class Raising(fake_backends.AllReduceBackend):
+        name = "raising"
+
+        def check_tokens(self, num_tokens):
+            if self.comm.rank == 1:
+                raise RuntimeError("budget lookup failed")
+            return ()
+
+    fake_backends.Uneven, fake_backends.Raising = Uneven, Raising
+    fake_backends.install(
+        fake_backends.spec("uneven", 60, "Uneven"), fake_backends.spec("raising", 70, "Raising")
+    )
+    with arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
+        hidden_size=32,
+        dtype=torch.float32,
+        norm=arnorm.RMSNorm(1e-6),
+        max_tokens=8,
+    ) as op:
+        served = [op.backend_for(t) for t in range(1, 9)]
+        raising = op.explain().verdict("raising")
+        return served, raising.status, raising.reasons

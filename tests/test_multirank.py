@@ -67,3 +67,25 @@ def test_ranks_with_different_backend_options_raise_the_same_error():
     assert results[0].startswith(
         "ranks disagree on settings of fast (rank 0: settings of fast={'exact': False}"
     )
+
+
+def test_check_calls_mode_raises_the_same_error_on_every_rank_and_keeps_ranks_paired():
+    """ARNORM_CHECK_CALLS=1 turns divergent calls (token counts, a rank-local rejection) into one error."""
+    results = run_ranks(2, rf.check_calls_catches_divergence)
+    assert results[0] == results[1]
+    messages, paired = results[0]
+    assert all(m.startswith("calls: differ across ranks or were rejected (rank 0: call ") for m in messages)
+    assert "hidden_states [3, 32] torch.float32 cpu" in messages[0] and "hidden_states [4, 32]" in messages[0]
+    assert "rejected: hidden_states: dtype torch.float64" in messages[1]
+    assert paired
+
+
+def test_token_budgets_and_check_tokens_errors_are_agreed_across_ranks():
+    """Which backend serves each token count is the same on every rank, whatever each rank answered."""
+    results = run_ranks(2, rf.rank_dependent_token_budget)
+    assert results[0] == results[1]
+    served, status, reasons = results[0]
+    assert served == ["uneven", "uneven"] + ["reference"] * 6
+    assert status == "setup_failed" and any("rank 1" in r and "budget lookup failed" in r for r in reasons), (
+        reasons
+    )
