@@ -17,6 +17,8 @@ problem, picks the first that can on every rank, and says why it rejected the ot
 
 from __future__ import annotations
 
+import contextlib
+
 from arnorm._capabilities import Capabilities
 from arnorm._config import Config
 from arnorm._discovery import ArnormWarning, BackendInfo
@@ -34,7 +36,15 @@ from arnorm._errors import (
 from arnorm._explain import STATUSES, Explanation, Verdict
 from arnorm._op import AllReduceNorm, fused_allreduce_norm
 from arnorm._protocol import FusedAllReduceNorm
-from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, LocalGroup, Output, QuantizedActivation, RMSNorm
+from arnorm._types import (
+    LOCAL,
+    QUANT_FORMATS,
+    SCALE_LAYOUTS,
+    LocalGroup,
+    Output,
+    QuantizedActivation,
+    RMSNorm,
+)
 
 __version__ = "0.2.0"
 
@@ -68,6 +78,7 @@ __all__ = [
     "fused_allreduce_norm",
 ]
 
+
 def backends() -> list[BackendInfo]:
     """Every registered backend with its status: available, not installed (and the fix), outdated, or broken.
 
@@ -84,8 +95,6 @@ def backends() -> list[BackendInfo]:
 for _name in __all__:
     _obj = globals()[_name]
     if isinstance(_obj, type) or callable(_obj):
-        try:
+        with contextlib.suppress(AttributeError, TypeError):  # builtins and C types refuse it
             _obj.__module__ = __name__
-        except (AttributeError, TypeError):
-            pass
 del _name, _obj

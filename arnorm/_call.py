@@ -8,7 +8,6 @@ and data pointer (a ``w.data = ...`` swap changes the pointer and is checked aga
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -86,8 +85,10 @@ def _guard_fn() -> Callable[..., Output]:
 
     class InferenceOnly(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, anchor_h: Any, anchor_r: Any, anchor_w: Any, *outs: Any) -> Any:  # type: ignore[override]
-            ctx.mark_non_differentiable(*[o for o in outs if not o.dtype.is_floating_point or o.element_size() == 1])
+        def forward(ctx: Any, anchor_h: Any, anchor_r: Any, anchor_w: Any, *outs: Any) -> Any:
+            ctx.mark_non_differentiable(
+                *[o for o in outs if not o.dtype.is_floating_point or o.element_size() == 1]
+            )
             return tuple(o.view_as(o) for o in outs)
 
         @staticmethod
@@ -108,10 +109,15 @@ def _guard_fn() -> Callable[..., Output]:
 def no_backend(num_tokens: int) -> Exception:
     from arnorm._errors import NoEligibleBackendError
 
-    return NoEligibleBackendError(f"tokens: {num_tokens} (needs a token count some backend of this op serves; see op.explain({num_tokens}))")
+    return NoEligibleBackendError(
+        f"tokens: {num_tokens} (needs a token count some backend of this op serves; "
+        f"see op.explain({num_tokens}))"
+    )
 
 
-def agree_call(comm: Any, rules: CallRules, seq: int, hidden_states: Any, residual: Any, weight: Any, scale: Any) -> None:
+def agree_call(
+    comm: Any, rules: CallRules, seq: int, hidden_states: Any, residual: Any, weight: Any, scale: Any
+) -> None:
     """``ARNORM_CHECK_CALLS``: gather every rank's fingerprint of call number ``seq`` (shapes, dtypes,
     devices, whether a scale came, and the local verdict on the arguments) before the collective,
     and raise the same error on every rank when they differ or any rank rejects its arguments."""
@@ -135,4 +141,6 @@ def agree_call(comm: Any, rules: CallRules, seq: int, hidden_states: Any, residu
         f"scale {'none' if s[4] else 'given'}" + (f", rejected: {s[5]}" if s[5] else "")
         for r, s in enumerate(seen)
     )
-    raise InvalidInputError(f"calls: differ across ranks or were rejected ({detail}) (needs the same call on every rank)")
+    raise InvalidInputError(
+        f"calls: differ across ranks or were rejected ({detail}) (needs the same call on every rank)"
+    )

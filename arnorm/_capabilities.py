@@ -125,8 +125,8 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
         reasons.append(f"platform: {problem.platform} (needs {join_or(caps.platforms)})")
     if problem.dtype not in caps.dtypes:
         reasons.append(f"dtype: {problem.dtype} (needs {join_or(caps.dtypes)})")
-    elif quant in caps.quant_dtypes and problem.dtype not in caps.quant_dtypes[quant]:  # type: ignore[index]
-        allowed = join_or(caps.quant_dtypes[quant])  # type: ignore[index]
+    elif quant in caps.quant_dtypes and problem.dtype not in caps.quant_dtypes[quant]:
+        allowed = join_or(caps.quant_dtypes[quant])
         reasons.append(f"dtype: {problem.dtype} (needs {allowed} for {quant})")
     if quant not in caps.quant:
         reasons.append(f"quant: {quant} (needs {join_or(caps.quant)})")

@@ -56,7 +56,7 @@ class Comm:
         if cpu_group is None:
             # Agreement without a CPU group would silently agree with this rank alone.
             if not _supports_cpu(group):
-                msg = "cpu_group: None (needs a gloo group over the device group's ranks; Comm.resolve pairs them)"
+                msg = "cpu_group: None (needs a gloo group over the device group's ranks; see Comm.resolve)"
                 raise InvalidInputError(msg)
             self.cpu_group = group
 
@@ -151,7 +151,8 @@ def _cpu_twin(group: dist.ProcessGroup, cpu_group: object) -> Any:
             msg = f"cpu_group: ranks {list(cpu_ranks)} (needs {list(ranks)}, the ranks of tp_group, in order)"
             raise InvalidInputError(msg)
         if not _supports_cpu(cpu_group):
-            msg = f"cpu_group: backend {dist.get_backend(cpu_group)} (needs gloo: agreement runs on CPU tensors)"
+            found = dist.get_backend(cpu_group)
+            msg = f"cpu_group: backend {found} (needs gloo: agreement runs on CPU tensors)"
             raise InvalidInputError(msg)
         return cpu_group
     if _supports_cpu(group):

@@ -118,6 +118,9 @@ def load_config() -> Config:
     from arnorm._settings import warn_unknown_variables
 
     registry = get_registry()
-    backends = {i.name: tuple(i.spec.settings.model_fields) if i.spec and i.spec.settings else () for i in registry.infos()}
+    backends = {
+        i.name: tuple(i.spec.settings.model_fields) if i.spec and i.spec.settings else ()
+        for i in registry.infos()
+    }
     warn_unknown_variables(Config._env_fields(), backends)
     return Config()

@@ -65,7 +65,9 @@ def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
     if p.quant is None:
         return []
     spec = FORMAT_SPECS[p.quant]
-    out = [torch.empty(spec.data_shape(t, p.hidden_size), dtype=getattr(torch, spec.data_dtype), device=device)]
+    out = [
+        torch.empty(spec.data_shape(t, p.hidden_size), dtype=getattr(torch, spec.data_dtype), device=device)
+    ]
     shape = spec.scale_shape(t, p.hidden_size, p.scale_layout)
     if shape is not None:
         assert spec.scale_dtype is not None
@@ -202,9 +204,13 @@ def call_custom_op(
     """The compiled-graph path of ``AllReduceNorm.__call__``."""
     import torch
 
-    grad = torch.is_grad_enabled() and (hidden_states.requires_grad or residual.requires_grad or weight.requires_grad)
+    grad = torch.is_grad_enabled() and (
+        hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
+    )
     if op._problem.inplace and grad:
-        h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(handle, hidden_states, residual, weight, scale)
+        h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(
+            handle, hidden_states, residual, weight, scale
+        )
         hidden_states.copy_(h)
         return _unflatten(op, hidden_states, normed, data, qscale, scale)
     if op._problem.inplace:

@@ -137,7 +137,7 @@ class Registry:
                 pm.check_pending()  # a marked hook arnorm does not define (arnorm_backend) is an error
                 impls = [i for i in pm.hook.arnorm_backends.get_hookimpls() if i.plugin_name == plugin]
                 if not impls:
-                    msg = "defines no arnorm_backends() hook (needs @arnorm.plugin.hookimpl def arnorm_backends())"
+                    msg = "defines no arnorm_backends() hook (needs @hookimpl def arnorm_backends())"
                     raise TypeError(msg)
             except BaseException as exc:  # a third-party plugin may raise anything
                 detail = plugin_failure(exc)

@@ -14,7 +14,7 @@ from arnorm._comm import Comm
 from arnorm._config import Config, load_config
 from arnorm._custom_op import call_custom_op, register_handle, unregister_handle
 from arnorm._discovery import ArnormWarning, get_registry, plugin_failure
-from arnorm._errors import ArnormError, InvalidInputError, NoEligibleBackendError
+from arnorm._errors import ArnormError, InvalidInputError
 from arnorm._explain import Explanation
 from arnorm._problem import DTYPES, Problem
 from arnorm._select import Preference, agree, agreement_facts, load_settings, select
@@ -55,14 +55,22 @@ def resolve_device(device: object) -> torch.device:
     import torch
 
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     try:
-        dev = torch.device(device)  # type: ignore[arg-type]
+        dev = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError):
-        raise InvalidInputError(f"device: {device!r} (needs a torch.device, e.g. 'cuda:0' or 'cpu')") from None
+        raise InvalidInputError(
+            f"device: {device!r} (needs a torch.device, e.g. 'cuda:0' or 'cpu')"
+        ) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise InvalidInputError(f"device: {dev} (needs a visible CUDA device; torch.cuda.is_available() is False)")
+            raise InvalidInputError(
+                f"device: {dev} (needs a visible CUDA device; torch.cuda.is_available() is False)"
+            )
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
@@ -91,7 +99,9 @@ def build_problem(
     if name not in DTYPES:
         raise InvalidInputError(f"dtype: {dtype!r} (needs torch.bfloat16, torch.float16 or torch.float32)")
     if not isinstance(norm, RMSNorm):
-        raise InvalidInputError(f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))")
+        raise InvalidInputError(
+            f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))"
+        )
     tokens = _positive_int("max_tokens", max_tokens)
     for arg, value in (("normed_output", normed_output), ("inplace", inplace)):
         if not isinstance(value, bool):
@@ -104,7 +114,9 @@ def build_problem(
     elif scale_layout is not None:
         raise InvalidInputError(f"scale_layout: {scale_layout!r} (needs None when quant is None)")
     if not normed_output and quant is None:
-        raise InvalidInputError("normed_output: False with quant=None (needs normed_output=True or a quant format)")
+        raise InvalidInputError(
+            "normed_output: False with quant=None (needs normed_output=True or a quant format)"
+        )
     platform, arch, gfx = platform_of(device)
     return Problem(
         world_size=world_size,
@@ -133,7 +145,8 @@ def _warn_unknown_names(pref: Preference, registry: Any) -> None:
     for source, names in (("ARNORM_DISABLE / Config.disable", pref.disabled), (pref.source, named)):
         for name in names:
             if name not in known:
-                msg = f"{source}: {name!r} is not a registered backend (needs one of {', '.join(sorted(known))})"
+                valid = ", ".join(sorted(known))
+                msg = f"{source}: {name!r} is not a registered backend (needs one of {valid})"
                 warnings.warn(msg, ArnormWarning, stacklevel=5)
 
 
@@ -198,11 +211,14 @@ class AllReduceNorm:
         self._chain: list[Any] = []
         self._table: list[Any] = []
         if not _building.acquire(blocking=False):
-            msg = "AllReduceNorm: built from two threads at once (needs ops built from one thread, in the same order on every rank)"
+            msg = (
+                "AllReduceNorm: built from two threads at once "
+                "(needs ops built from one thread, in the same order on every rank)"
+            )
             raise InvalidInputError(msg)
         try:
-            self._build(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output, inplace,
-                        scale_layout, device, cpu_group, config)  # fmt: skip
+            self._build(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output,
+                        inplace, scale_layout, device, cpu_group, config)  # fmt: skip
         finally:
             _building.release()
 
@@ -240,8 +256,9 @@ class AllReduceNorm:
         self._explanation, self._chain = plan.explanation, plan.chain
         self._table = [None if i < 0 else plan.chain[i] for i in plan.table]
         strided = all(registry.get(n).spec.capabilities.strided_rows for n in plan.explanation.chain)  # type: ignore[union-attr]
-        self._rules = CallRules(problem.hidden_size, problem.max_tokens, getattr(torch, problem.dtype), dev,
-                                problem.quant, needs_scale(problem.quant), problem.inplace, strided)  # fmt: skip
+        self._rules = CallRules(problem.hidden_size, problem.max_tokens, getattr(torch, problem.dtype),
+                                dev, problem.quant, needs_scale(problem.quant), problem.inplace,
+                                strided)  # fmt: skip
         # Hot-path constants: attribute reads on self are most of the cost of a valid call.
         self._max_tokens = problem.max_tokens
         self._hidden = problem.hidden_size
@@ -318,7 +335,11 @@ class AllReduceNorm:
                 if self._on_cpu:  # is_cpu and get_device() both exclude meta tensors, and are cheap
                     ok = ok and hidden_states.is_cpu and residual.is_cpu
                 else:
-                    ok = ok and hidden_states.get_device() == self._index and residual.get_device() == self._index
+                    ok = (
+                        ok
+                        and hidden_states.get_device() == self._index
+                        and residual.get_device() == self._index
+                    )
                 ok = (
                     ok
                     and hidden_states.dtype is dt
@@ -343,8 +364,10 @@ class AllReduceNorm:
                     )
                 elif self._scaled:
                     ok = False
-                grad = ok and self._grad_enabled() and (
-                    hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
+                grad = (
+                    ok
+                    and self._grad_enabled()
+                    and (hidden_states.requires_grad or residual.requires_grad or weight.requires_grad)
                 )
                 if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
                     ok = False
@@ -378,7 +401,11 @@ class AllReduceNorm:
     def _check_tokens_arg(self, num_tokens: object) -> int:
         if self._closed:
             raise self._closed_error()
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 < num_tokens <= self._max_tokens:
+        if (
+            not isinstance(num_tokens, int)
+            or isinstance(num_tokens, bool)
+            or not 0 < num_tokens <= self._max_tokens
+        ):
             raise InvalidInputError(f"num_tokens: {num_tokens!r} (needs an int from 1 to {self._max_tokens})")
         return num_tokens
 
@@ -428,7 +455,9 @@ class AllReduceNorm:
                 break
             skipped.append((name, tuple(impl.check_tokens(t))))
         backend = None if served is None else self._explanation.chain[self._chain.index(served)]
-        return dataclasses.replace(self._explanation, num_tokens=t, token_backend=backend, token_reasons=tuple(skipped))
+        return dataclasses.replace(
+            self._explanation, num_tokens=t, token_backend=backend, token_reasons=tuple(skipped)
+        )
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -448,7 +477,9 @@ class AllReduceNorm:
             try:
                 impl.close()
             except BaseException as exc:  # plugin code: report, never leave the other backends open
-                warnings.warn(f"arnorm: {type(impl).__name__}.close() raised {plugin_failure(exc)}", ArnormWarning, 2)
+                warnings.warn(
+                    f"arnorm: {type(impl).__name__}.close() raised {plugin_failure(exc)}", ArnormWarning, 2
+                )
 
     def __enter__(self) -> AllReduceNorm:
         return self

@@ -55,8 +55,10 @@ def _run(cls: Any, problem: Problem, device: Any, out: list[Any]) -> None:
         out.append(("raised", plugin_failure(exc)))
 
 
-def probe(spec: BackendSpec, problem: Problem, timeout: float, device: Any = None) -> tuple[str, tuple[str, ...]]:
-    """``(status, reasons)``: ``("eligible", ())``, ``("incompatible", reasons)`` or ``("broken", reasons)``."""
+def probe(
+    spec: BackendSpec, problem: Problem, timeout: float, device: Any = None
+) -> tuple[str, tuple[str, ...]]:
+    """``(status, reasons)``: ``("eligible", ())``, ``("incompatible", reasons)`` or ``("broken", ...)``."""
     key = (spec.name, spec.loader, problem, str(device))
     with _lock:
         hit = _cache.get(key)
@@ -67,7 +69,9 @@ def probe(spec: BackendSpec, problem: Problem, timeout: float, device: Any = Non
         result: tuple[str, tuple[str, ...]] = ("broken", (why,))
     else:
         out: list[Any] = []
-        worker = threading.Thread(target=_run, args=(cls, problem, device, out), daemon=True, name="arnorm-probe")
+        worker = threading.Thread(
+            target=_run, args=(cls, problem, device, out), daemon=True, name="arnorm-probe"
+        )
         worker.start()
         worker.join(timeout)
         if not out:

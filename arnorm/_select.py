@@ -76,7 +76,13 @@ class Preference:
 
 
 def check_locally(
-    problem: Problem, registry: Registry, pref: Preference, *, timeout: float = 15.0, device: Any = None, probe_all: bool = True
+    problem: Problem,
+    registry: Registry,
+    pref: Preference,
+    *,
+    timeout: float = 15.0,
+    device: Any = None,
+    probe_all: bool = True,
 ) -> dict[str, Verdict]:
     """This rank's verdict for every backend in play, in preference order (no collective).
 
@@ -112,7 +118,9 @@ def check_locally(
 
 def _merge_one(name: str, per_rank: list[Verdict | None]) -> Verdict:
     """One verdict from every rank's; reasons that hold on some ranks only carry ``rank <r>:``."""
-    missing = Verdict(name, "unknown", ("registry: not registered on this rank (needs the same plugins on every rank)",))
+    missing = Verdict(
+        name, "unknown", ("registry: not registered on this rank (needs the same plugins on every rank)",)
+    )
     views = [v if v is not None else missing for v in per_rank]
     priority = next((v.priority for v in views if v.priority is not None), None)
     if all((v.status, v.reasons) == (views[0].status, views[0].reasons) for v in views):
@@ -170,7 +178,9 @@ def load_settings(registry: Registry, config: Config) -> dict[str, BackendSettin
     known = {i.name for i in registry.infos() if i.spec is not None}
     unknown = sorted(set(config.settings) - known)
     if unknown:
-        msg = f"Config.settings: {', '.join(map(repr, unknown))} (needs registered backends: {join_or(known)})"
+        msg = (
+            f"Config.settings: {', '.join(map(repr, unknown))} (needs registered backends: {join_or(known)})"
+        )
         raise ConfigError(msg)
     out = {}
     for info in registry.infos():
@@ -196,7 +206,8 @@ def agree(comm: Comm, facts: dict[str, Any], error: BaseException | None) -> Non
     differ = [k for k in first if any(s["facts"].get(k) != first[k] for s in seen)]
     if differ:
         detail = "; ".join(
-            f"rank {r}: " + ", ".join(f"{k}={s['facts'].get(k)!r}" for k in differ) for r, s in enumerate(seen)
+            f"rank {r}: " + ", ".join(f"{k}={s['facts'].get(k)!r}" for k in differ)
+            for r, s in enumerate(seen)
         )
         msg = (
             f"ranks disagree on {', '.join(differ)} ({detail}) "
@@ -211,7 +222,9 @@ def agreement_facts(
     """What every rank must have identically (``Config.disable`` excepted)."""
     facts: dict[str, Any] = {f: getattr(problem, f) for f in Problem.__dataclass_fields__}
     facts["backend preference"] = (pref.names, pref.source)
-    facts.update({f"Config.{k}": v for k, v in config.model_dump().items() if k not in ("disable", "settings")})
+    facts.update(
+        {f"Config.{k}": v for k, v in config.model_dump().items() if k not in ("disable", "settings")}
+    )
     facts.update({f"settings of {n}": s.model_dump() for n, s in settings.items()})
     return facts
 
@@ -255,7 +268,8 @@ def _build(
     name: str, spec: Any, problem: Problem, comm: Comm, settings: BackendSettings
 ) -> tuple[Any, list[bool], tuple[str, ...]]:
     """Create one backend on every rank and agree on its served token counts; ``(impl, served, failure)``."""
-    instance, error, served = None, "", []
+    instance, error = None, ""
+    served: list[bool] = []
     cls, why = load_class(spec)
     try:
         if cls is None:
@@ -273,7 +287,9 @@ def _build(
     failure: tuple[str, ...] = ()
     if any(errors):
         same = len(set(errors)) == 1
-        failure = tuple(e if same else f"rank {r}: {e}" for r, e in enumerate(errors) if e)[: 1 if same else None]
+        failure = tuple(e if same else f"rank {r}: {e}" for r, e in enumerate(errors) if e)[
+            : 1 if same else None
+        ]
     elif any(runs != seen[0][1] for _, runs in seen):
         # Budgets may differ by rank (free memory): serve a count only where every rank serves it.
         served = [False] * (problem.max_tokens + 1)
@@ -313,11 +329,16 @@ def select(
         if v.status != "eligible":
             continue
         if chain and all(i >= 0 for i in table[1:]):
-            final[v.backend] = replace(v, status="unprobed", reasons=(f"not probed: {names[0]} serves every token count",))
+            final[v.backend] = replace(
+                v, status="unprobed", reasons=(f"not probed: {names[0]} serves every token count",)
+            )
             continue
         spec = registry.get(v.backend).spec  # type: ignore[union-attr]
+        assert spec is not None  # only registered, installed backends reach the probe
         local = probe(spec, problem, config.probe_timeout, comm.device)
-        merged = _merge_one(v.backend, [Verdict(v.backend, s, r, v.priority) for s, r in comm.gather_objects(local)])
+        merged = _merge_one(
+            v.backend, [Verdict(v.backend, s, r, v.priority) for s, r in comm.gather_objects(local)]
+        )
         if merged.status != "eligible":
             final[v.backend] = merged
             continue
@@ -343,7 +364,9 @@ def select(
     if not chain:
         _raise_none_usable(problem, pref, expl)
     if comm.rank == 0:
-        logger.info("arnorm: using %s for %s (choice: %s)", " then ".join(names), problem.short(), pref.source)
+        logger.info(
+            "arnorm: using %s for %s (choice: %s)", " then ".join(names), problem.short(), pref.source
+        )
     for v in verdicts:
         if not v.is_usable:
             logger.debug("arnorm: %s %s: %s", v.backend, v.status, "; ".join(v.reasons))

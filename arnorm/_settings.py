@@ -109,7 +109,9 @@ def warn_unknown_variables(core_fields: Iterable[str], backends: Mapping[str, It
     ``triton_symm``, not ``triton``) is reported with that backend's valid variables.
     """
     core = {PREFIX + f.upper() for f in core_fields}
-    by_prefix = sorted(((env_prefix(n), n, tuple(fs)) for n, fs in backends.items()), key=lambda p: -len(p[0]))
+    by_prefix = sorted(
+        ((env_prefix(n), n, tuple(fs)) for n, fs in backends.items()), key=lambda p: -len(p[0])
+    )
     known = set(core)
     for prefix, _, fields in by_prefix:
         known.update(prefix + f.upper() for f in fields)

@@ -57,11 +57,16 @@ def check_protocol(cls: object, name: str) -> list[str]:
     if not isinstance(cls, type):
         return [f"loader: {type(cls).__name__} (needs a class)"]
     missing = [m for m in _PROTOCOL if not callable(getattr(cls, m, None))]
-    reasons = [f"protocol: no {m}() (needs every method of arnorm.plugin.FusedAllReduceNorm)" for m in missing]
+    reasons = [
+        f"protocol: no {m}() (needs every method of arnorm.plugin.FusedAllReduceNorm)" for m in missing
+    ]
     for method, on_class in _PROTOCOL.items():
-        if on_class and method not in missing and not isinstance(cls.__dict__.get(method), classmethod):
-            if not any(isinstance(k.__dict__.get(method), classmethod) for k in cls.__mro__):
-                reasons.append(f"protocol: {method}() is not a classmethod (needs @classmethod)")
+        if (
+            on_class
+            and method not in missing
+            and not any(isinstance(k.__dict__.get(method), classmethod) for k in cls.__mro__)
+        ):
+            reasons.append(f"protocol: {method}() is not a classmethod (needs @classmethod)")
     declared = getattr(cls, "name", None)
     if declared != name:
         reasons.append(f"protocol: class attribute name = {declared!r} (needs {name!r}, the registered name)")
@@ -103,7 +108,9 @@ class BackendSpec:
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             errors.append(f"priority: {self.priority!r} (needs an int)")
         if not isinstance(self.capabilities, Capabilities):
-            errors.append(f"capabilities: {type(self.capabilities).__name__} (needs arnorm.plugin.Capabilities)")
+            errors.append(
+                f"capabilities: {type(self.capabilities).__name__} (needs arnorm.plugin.Capabilities)"
+            )
         if not isinstance(self.loader, str) or ":" not in self.loader:
             errors.append(f"loader: {self.loader!r} (needs 'package.module:ClassName')")
         if not isinstance(self.requires, tuple) or not all(isinstance(r, str) for r in self.requires):

@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LOCAL", "QUANT_FORMATS", "SCALE_LAYOUTS", "LocalGroup", "Output", "QuantizedActivation", "RMSNorm"]
+__all__ = [
+    "LOCAL",
+    "QUANT_FORMATS",
+    "SCALE_LAYOUTS",
+    "LocalGroup",
+    "Output",
+    "QuantizedActivation",
+    "RMSNorm",
+]
 
 #: Quantized output formats, in the order the docs list them (``None`` means no quantized output).
 QUANT_FORMATS: tuple[str, ...] = ("fp8_static", "fp8_per_token", "nvfp4", "mxfp8")

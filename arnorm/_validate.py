@@ -94,7 +94,9 @@ def _check_tensor(arg: str, t: object, rules: CallRules) -> torch.Tensor:
     return t
 
 
-def check_call(rules: CallRules, hidden_states: object, residual: object, weight: object, scale: object) -> None:
+def check_call(
+    rules: CallRules, hidden_states: object, residual: object, weight: object, scale: object
+) -> None:
     """Raise :class:`InvalidInputError` for the first thing wrong with a call's arguments."""
     import torch
 
@@ -123,9 +125,13 @@ def check_call(rules: CallRules, hidden_states: object, residual: object, weight
     if rules.needs_scale:
         what = "dequant" if rules.quant == "fp8_static" else "global encode"
         if scale is None:
-            raise InvalidInputError(f"scale: missing (needs the fp32 [1] {what} scale for quant={rules.quant!r})")
+            raise InvalidInputError(
+                f"scale: missing (needs the fp32 [1] {what} scale for quant={rules.quant!r})"
+            )
         if not isinstance(scale, torch.Tensor):
-            raise InvalidInputError(f"scale: {type(scale).__name__} (needs a torch.Tensor of dtype float32, shape [1])")
+            raise InvalidInputError(
+                f"scale: {type(scale).__name__} (needs a torch.Tensor of dtype float32, shape [1])"
+            )
         if scale.dtype != torch.float32:
             raise InvalidInputError(f"scale: dtype {scale.dtype} (needs torch.float32)")
         if tuple(scale.shape) != (1,):
@@ -133,7 +139,9 @@ def check_call(rules: CallRules, hidden_states: object, residual: object, weight
         if scale.device != rules.device:
             raise InvalidInputError(f"scale: device {scale.device} (needs {rules.device}, the op's device)")
     elif scale is not None:
-        raise InvalidInputError(f"scale: {type(scale).__name__} (needs None: quant={rules.quant!r} takes no input scale)")
+        raise InvalidInputError(
+            f"scale: {type(scale).__name__} (needs None: quant={rules.quant!r} takes no input scale)"
+        )
     hs_span = span(hs, shape[0], h)
     if _overlap(hs_span, span(res, shape[0], h)):
         raise InvalidInputError("residual: overlaps hidden_states' memory (needs a separate buffer)")

@@ -22,7 +22,7 @@ imports no torch: ``quantize``, ``dequantize`` and ``empty_quantized`` load :mod
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arnorm._capabilities import Capabilities, check_capabilities, join_or
 from arnorm._comm import Comm
@@ -40,6 +40,9 @@ from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
 from arnorm._settings import BackendSettings
 from arnorm._spec import BackendSpec, hookimpl
 from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation
+
+if TYPE_CHECKING:  # loaded on first use by __getattr__ below
+    from arnorm.quant import dequantize, empty_quantized, quantize
 
 __all__ = [
     "DTYPES",

@@ -7,7 +7,7 @@ import math
 from pydantic import Field, field_validator
 
 from arnorm.plugin import BackendSettings, BackendSpec, Capabilities, hookimpl
-from arnorm_flashinfer._rules import ARCH_MAJORS, HALF_ONLY, MIN_ARCH, NVFP4_MIN_ARCH, WORLD_SIZES
+from arnorm_flashinfer._rules import ARCH_MAJORS, MIN_ARCH, NVFP4_MIN_ARCH, WORLD_SIZES
 
 __all__ = ["CAPABILITIES", "FlashInferSettings", "arnorm_backends"]
 
@@ -18,7 +18,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({"bfloat16", "float16", "float32"}),
     quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
     # The FP4 patterns are not instantiated for float inputs.
-    quant_dtypes={q: frozenset({"bfloat16", "float16"}) for q in HALF_ONLY},
+    quant_dtypes={"nvfp4": frozenset({"bfloat16", "float16"})},  # _rules.HALF_ONLY
     # SWIZZLED_8x4 is not offered: the fused kernel writes no scales for it.
     scale_layouts=frozenset({"linear", "swizzled_128x4"}),
     world_sizes=frozenset(WORLD_SIZES),
