@@ -99,6 +99,7 @@ class TritonBackend:
         soft_fp8 = soft or problem.platform != "cuda" or (problem.arch or (0, 0)) < (8, 9)
         self._launcher = FusedLauncher(
             hidden=h,
+            itemsize=torch.empty((), dtype=self._dtype).element_size(),
             quant=problem.quant,
             layout=problem.scale_layout,
             write_normed=problem.normed_output,

@@ -69,10 +69,11 @@ PAD_ROWS_PER_PROGRAM = tl.constexpr(32)
 QUANT_CODES: dict[str | None, int] = {None: 0, "fp8_static": 1, "fp8_per_token": 2, "nvfp4": 3, "mxfp8": 4}
 
 
-def row_shape(hidden: int, quant: str | None) -> tuple[int, int]:
-    """``(BLOCK, GROUP)`` constexprs for a row of ``hidden`` elements quantized as ``quant``."""
+def row_shape(hidden: int, quant: str | None, itemsize: int) -> tuple[int, int, int]:
+    """``(BLOCK, GROUP, VEC)`` constexprs for a row of ``hidden`` elements of ``itemsize`` bytes
+    quantized as ``quant``: VEC elements are one 16-byte access."""
     group = 32 if quant == "mxfp8" else 16
-    return max(triton.next_power_of_2(hidden), 4 * group), group
+    return max(triton.next_power_of_2(hidden), 4 * group), group, 16 // itemsize
 
 
 def padding_programs(n_rows: int) -> int:
@@ -92,10 +93,23 @@ _MIN_TOKEN_SCALE = tl.constexpr(_f32(0x36924925))
 
 
 @triton.jit
-def row_offsets(HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-    """``(offs, mask)``: element offsets ``[BLOCK // GROUP, GROUP]`` within one row (row-major:
-    ``offs[b, g] = b * GROUP + g``) and ``offs < HIDDEN``. The epilogue expects ``s`` in this shape."""
-    offs = tl.arange(0, BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+def row_offsets(HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr):
+    """``(offs, mask)``: element offsets ``[BLOCK // GROUP, GROUP // VEC, VEC]`` within one row
+    (row-major: ``offs[b, j, v] = b * GROUP + j * VEC + v``) and ``offs < HIDDEN``; the epilogue
+    expects ``s`` in this shape.
+
+    Why three axes: Triton picks each memory access's register layout from the contiguity it can
+    prove, and stores are limited to 16 bytes per thread. A ``[.., GROUP]`` tile lets 16 contiguous
+    elements per thread be loaded but only 8 bf16 be stored, and every mismatch costs a layout
+    conversion through shared memory (with barriers) per row. With contiguity VEC (16 bytes) on
+    the last axis, every load and store of the row shares one layout; a quantization block's
+    amax is then a reduction over the last two axes (in-thread, then a warp shuffle).
+    """
+    offs = (
+        tl.arange(0, BLOCK // GROUP)[:, None, None] * GROUP
+        + tl.arange(0, GROUP // VEC)[None, :, None] * VEC
+        + tl.arange(0, VEC)[None, None, :]
+    )
     return offs, offs < HIDDEN
 
 
@@ -144,15 +158,16 @@ def zero_padding_rows(sf_ptr, pad_program, n_rows, HIDDEN: tl.constexpr, BLOCK: 
 @triton.jit
 def norm_quant_epilogue(
     s, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
     SOFT: tl.constexpr, SOFT_FP8: tl.constexpr,
 ):  # fmt: skip
     """Steps 2-4 of the contract for one row, from its reduced sum ``s``; writes every output.
 
     Args:
-        s: fp32 ``[BLOCK // GROUP, GROUP]`` in :func:`row_offsets` order: the reduced row, already
-            rounded to the dtype ``D`` (``fp32(D(sum))``); lanes ``>= HIDDEN`` are ignored.
+        s: fp32 ``[BLOCK // GROUP, GROUP // VEC, VEC]`` in :func:`row_offsets` order: the reduced
+            row, already rounded to the dtype ``D`` (``fp32(D(sum))``); lanes ``>= HIDDEN`` are
+            ignored.
         row: the row index ``t`` (int32 or int64 scalar), ``0 <= t < T``.
         res_ptr, res_stride: residual input ``[T, H]`` in ``D``; row ``t`` starts at
             ``res_ptr + t * res_stride`` (unit column stride).
@@ -169,35 +184,42 @@ def norm_quant_epilogue(
             (linear) or the swizzled 128x4 layout (``SWIZZLED``: this row's padding columns are
             written as 0; padding *rows* are :func:`zero_padding_rows`' job). Untouched otherwise.
         eps: fp32 epsilon.
-        HIDDEN, BLOCK, GROUP: as :func:`row_offsets` (GROUP: 16 for nvfp4, 32 for mxfp8).
+        HIDDEN, BLOCK, GROUP, VEC: as :func:`row_shape` / :func:`row_offsets`.
         QUANT: 0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4, 4 mxfp8 (:data:`QUANT_CODES`).
         ROUND_BEFORE_WEIGHT: round ``x * rsqrt(...)`` to ``D`` before the weight multiply.
         SOFT, SOFT_FP8: integer-bit bf16 / e4m3 rounding (:mod:`arnorm_triton._casts`).
 
     Writes exactly: ``h`` row ``t``; ``y`` row ``t`` (WRITE_NORMED); codes row ``t`` and this row's
     scales (QUANT > 0). Reads ``res``, ``w``, ``scale`` and nothing else; no barrier beyond the
-    row reductions, so it may run for several rows per program.
+    row reductions, so it may run for several rows per program. Callers using programmatic
+    dependent launch must have waited (``gdc_wait``) before calling it.
     """
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     NB: tl.constexpr = BLOCK // GROUP
     blk = tl.arange(0, NB)
-    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP)
+    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
     row64 = row.to(tl.int64)
 
+    # Every load first: the weight and the scale leave the critical path of the reductions.
+    res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
+    w = to_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0), SOFT) + weight_offset
+    if QUANT == 1 or QUANT == 3:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = 1.0
+
     # Step 2: h = D(s + res), rounded before the statistic (the contract's order).
-    res = to_fp32(tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0), SOFT)
-    h = to_dtype_rne(s + res, DTYPE, SOFT)
+    h = to_dtype_rne(s + to_fp32(res, SOFT), DTYPE, SOFT)
     tl.store(h_ptr + row64 * h_stride + offs, h, mask=mask)
     hf = to_fp32(h, SOFT)
 
     # Step 3: y, with a correctly rounded mean, square root and reciprocal.
-    mean_sq = tl.div_rn(tl.sum(tl.sum(hf * hf, axis=1), axis=0), HIDDEN * 1.0)
+    mean_sq = tl.div_rn(tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=1), axis=0), HIDDEN * 1.0)
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
-    w = to_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0), SOFT)
     n = hf * inv_rms
     if ROUND_BEFORE_WEIGHT:
         n = to_fp32(to_dtype_rne(n, DTYPE, SOFT), SOFT)
-    y = to_dtype_rne(n * (w + weight_offset), DTYPE, SOFT)
+    y = to_dtype_rne(n * w, DTYPE, SOFT)
     base = row64 * HIDDEN
     if WRITE_NORMED:
         tl.store(y_ptr + base + offs, y, mask=mask)
@@ -205,25 +227,29 @@ def norm_quant_epilogue(
 
     # Step 4: the quantizer reads the D-rounded y; amaxes propagate NaN as torch's amax does.
     if QUANT == 1:  # fp8_static: satfinite_rn(y * fp32(1 / scale))
-        inv_scale = tl.div_rn(1.0, tl.load(scale_ptr))
-        tl.store(q_ptr + base + offs, e4m3_bits(yf * inv_scale, SOFT_FP8), mask=mask)
+        tl.store(q_ptr + base + offs, e4m3_bits(yf * tl.div_rn(1.0, scale), SOFT_FP8), mask=mask)
     elif QUANT == 2:  # fp8_per_token: scale_t = max(amax_t / 448, 1 / (448 * 512)), q = y / scale_t
-        amax = abs_max(abs_max(yf, 1), 0)
+        amax = abs_max(abs_max(abs_max(yf, 2), 1), 0)
         tok_scale = tl.maximum(tl.div_rn(amax, E4M3_MAX), _MIN_TOKEN_SCALE, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + base + offs, e4m3_bits(tl.div_rn(yf, tok_scale), SOFT_FP8), mask=mask)
         tl.store(sf_ptr + row64, tok_scale)
     elif QUANT == 3:  # nvfp4: SF = e4m3(gs * (amax16 * fp32(1/6))), q = e2m1(y * (gs / SF))
-        gs = tl.load(scale_ptr)
-        sf_code = e4m3_bits(gs * (abs_max(yf, 1) * _INV_E2M1_MAX), SOFT_FP8)
+        sf_code = e4m3_bits(scale * (abs_max(abs_max(yf, 2), 1) * _INV_E2M1_MAX), SOFT_FP8)
         sf = e4m3_decode(sf_code)
-        enc = tl.where(sf == 0.0, 0.0, tl.div_rn(gs, tl.where(sf == 0.0, 1.0, sf)))
-        lo, hi = tl.split(tl.reshape(e2m1_code(yf * enc[:, None]), [NB, GROUP // 2, 2]))
-        poffs = blk[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+        enc = tl.where(sf == 0.0, 0.0, tl.div_rn(scale, tl.where(sf == 0.0, 1.0, sf)))
+        codes = tl.reshape(e2m1_code(yf * enc[:, None, None]), [NB, GROUP // VEC, VEC // 2, 2])
+        lo, hi = tl.split(codes)
+        poffs = (
+            blk[:, None, None] * (GROUP // 2)
+            + tl.arange(0, GROUP // VEC)[None, :, None] * (VEC // 2)
+            + tl.arange(0, VEC // 2)[None, None, :]
+        )
         tl.store(q_ptr + row64 * (HIDDEN // 2) + poffs, lo | (hi << 4), mask=poffs < HIDDEN // 2)
         _store_block_scales(sf_ptr, sf_code, row64, blk, HIDDEN // GROUP, SWIZZLED)
     elif QUANT == 4:  # mxfp8: e = ue8m0_round_up(amax32 * fp32(1/448)), q = e4m3(y * 2**(127 - e))
-        e = ue8m0_round_up(abs_max(yf, 1) * _INV_E4M3_MAX)
-        tl.store(q_ptr + base + offs, e4m3_bits(yf * ue8m0_to_inv_scale(e)[:, None], SOFT_FP8), mask=mask)
+        e = ue8m0_round_up(abs_max(abs_max(yf, 2), 1) * _INV_E4M3_MAX)
+        q = e4m3_bits(yf * ue8m0_to_inv_scale(e)[:, None, None], SOFT_FP8)
+        tl.store(q_ptr + base + offs, q, mask=mask)
         _store_block_scales(sf_ptr, e, row64, blk, HIDDEN // GROUP, SWIZZLED)
 
 
@@ -246,6 +272,7 @@ def fused_add_rmsnorm_quant_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
+    VEC: tl.constexpr,  # elements per 16-byte access of D
     NUM_PARTIALS: tl.constexpr,
     QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr,
@@ -265,7 +292,7 @@ def fused_add_rmsnorm_quant_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if row < n_rows:
-        offs, mask = row_offsets(HIDDEN, BLOCK, GROUP)
+        offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
         row64 = row.to(tl.int64)
         # Step 1: s. Exact mode sums the gathered partials in fp32 from rank 0 up, one rounding to D.
         acc = to_fp32(tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0), SOFT)
@@ -276,8 +303,8 @@ def fused_add_rmsnorm_quant_kernel(
                 acc = acc + to_fp32(x, SOFT)
             acc = to_fp32(to_dtype_rne(acc, h_ptr.dtype.element_ty, SOFT), SOFT)
         norm_quant_epilogue(acc, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr,
-                            sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, QUANT, SWIZZLED, WRITE_NORMED,
-                            ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+                            sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
+                            WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
     else:
         if SWIZZLED:
             zero_padding_rows(sf_ptr, row - n_rows, n_rows, HIDDEN, BLOCK, GROUP)

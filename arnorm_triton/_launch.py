@@ -49,7 +49,8 @@ class _Bound(NamedTuple):
 class FusedLauncher:
     """Launches of :func:`arnorm_triton._kernels.fused_add_rmsnorm_quant_kernel` for one op.
 
-    ``launch(x, res, w, scale, h, y, q, sf, n_rows, x_stride, res_stride, h_stride)``: tensors in
+    ``itemsize``: bytes per element of the op's dtype. ``launch(x, res, w, scale, h, y, q, sf,
+    n_rows, x_stride, res_stride, h_stride)``: tensors in
     the kernel's order; ``scale``, ``y``, ``q``, ``sf`` may be ``None`` when the variant does not
     read or write them. The launch configuration is a function of ``n_rows`` alone (a fixed table),
     so every TP rank launches the same grid for the same call.
@@ -59,6 +60,7 @@ class FusedLauncher:
         self,
         *,
         hidden: int,
+        itemsize: int,
         quant: str | None,
         layout: str | None,
         write_normed: bool,
@@ -75,7 +77,7 @@ class FusedLauncher:
         if hidden > MAX_HIDDEN:
             msg = f"hidden size: {hidden} (needs <= {MAX_HIDDEN})"
             raise ValueError(msg)
-        block, group = K.row_shape(hidden, quant)
+        block, group, vec = K.row_shape(hidden, quant, itemsize)
         self.hidden = hidden
         self.quant = quant
         self.arch = arch
@@ -87,6 +89,7 @@ class FusedLauncher:
             "HIDDEN": hidden,
             "BLOCK": block,
             "GROUP": group,
+            "VEC": vec,
             "NUM_PARTIALS": num_partials,
             "QUANT": K.QUANT_CODES[quant],
             "SWIZZLED": self.swizzled,

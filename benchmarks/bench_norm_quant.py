@@ -139,8 +139,8 @@ class ArnormRun:
         soft_fp8 = bool(torch.version.hip) or torch.cuda.get_device_capability() < (8, 9)
         self.case = case
         self.launcher = FusedLauncher(
-            hidden=h, quant=case.quant, layout=case.layout, write_normed=normed, num_partials=1, eps=EPS,
-            weight_offset=1.0, soft=False, soft_fp8=soft_fp8, num_warps=num_warps,
+            hidden=h, itemsize=2, quant=case.quant, layout=case.layout, write_normed=normed, num_partials=1,
+            eps=EPS, weight_offset=1.0, soft=False, soft_fp8=soft_fp8, num_warps=num_warps,
         )  # fmt: skip
         self.x = case.x.clone()
         self.y = torch.empty_like(self.x) if normed else None

@@ -91,8 +91,8 @@ def _setup(monkeypatch, corrupt: bool):
 
 
 def _launcher(quant: str | None = None, layout: str | None = None, **kw) -> FusedLauncher:
-    return FusedLauncher(hidden=256, quant=quant, layout=layout, write_normed=True, num_partials=1, eps=1e-6,
-                         weight_offset=1.0, soft=True, soft_fp8=True, **kw)  # fmt: skip
+    fixed = {"hidden": 256, "itemsize": 2, "write_normed": True, "num_partials": 1, "eps": 1e-6, "soft": True}
+    return FusedLauncher(quant=quant, layout=layout, weight_offset=1.0, soft_fp8=True, **fixed, **kw)
 
 
 def _buffers(t: int, h: int):
