@@ -79,6 +79,7 @@ class FusedLauncher:
             raise ValueError(msg)
         block, group, vec = K.row_shape(hidden, quant, itemsize)
         self.hidden = hidden
+        self.itemsize = itemsize
         self.quant = quant
         self.arch = arch
         self.swizzled = layout == "swizzled_128x4" and quant in ("nvfp4", "mxfp8")
@@ -104,6 +105,7 @@ class FusedLauncher:
         # Triton specializes integer arguments divisible by 16: strides must keep that property.
         self._div16 = hidden % 16 == 0
         self._bound: dict[LaunchConfig, _Bound] = {}
+        self._by_rows: dict[int, tuple[_Bound | None, int]] = {}
         self._get_stream: Callable[[int], int] | None = None
         self._device_index = 0
 
@@ -114,7 +116,8 @@ class FusedLauncher:
         if self.fixed_warps is not None:
             return LaunchConfig(self.fixed_warps)
         c = self.constexprs
-        return LaunchConfig(launch_config(self.arch, c["BLOCK"], c["QUANT"], n_rows))
+        warps = launch_config(self.arch, c["BLOCK"], c["QUANT"], c["WRITE_NORMED"], self.itemsize, n_rows)
+        return LaunchConfig(warps)
 
     def configs(self, max_rows: int) -> list[LaunchConfig]:
         """Every distinct configuration used for 1 to ``max_rows`` rows."""
@@ -149,8 +152,10 @@ class FusedLauncher:
         h_stride: int,
     ) -> Any:
         """One launch over ``n_rows`` rows (returns the compiled kernel when launched ordinarily)."""
-        cfg = self.config(n_rows)
-        bound = self._bound.get(cfg)
+        entry = self._by_rows.get(n_rows)
+        if entry is None:
+            entry = self._entry(n_rows)
+        bound = entry[0]
         if bound is not None:
             xp, rp, wp, hp = x.data_ptr(), res.data_ptr(), w.data_ptr(), h.data_ptr()
             # y, q, sf are this backend's own allocations (always aligned); scale is not specialized.
@@ -159,14 +164,23 @@ class FusedLauncher:
                 and self._strides_fit(x_stride, res_stride, h_stride)
                 and not _launch_hooks_active()
             ):
-                ptrs = (
-                    xp, rp, wp, hp if scale is None else scale.data_ptr(), hp,
+                bound.run(
+                    entry[1], 1, 1, self._get_stream(self._device_index), bound.function, bound.packed,  # type: ignore[misc]
+                    None, None, None, xp, rp, wp, hp if scale is None else scale.data_ptr(), hp,
                     hp if y is None else y.data_ptr(), hp if q is None else q.data_ptr(),
-                    hp if sf is None else sf.data_ptr(),
+                    hp if sf is None else sf.data_ptr(), n_rows, x_stride, res_stride, h_stride, self.eps,
+                    self.weight_offset, *self._const_tail,
                 )  # fmt: skip
-                self._direct(bound, ptrs, n_rows, x_stride, res_stride, h_stride)
                 return None
+        cfg = self.config(n_rows)
         return self._ordinary(cfg, (x, res, w, scale, h, y, q, sf), n_rows, x_stride, res_stride, h_stride)
+
+    def _entry(self, n_rows: int) -> tuple[_Bound | None, int]:
+        """The bound launcher (if any) and grid for ``n_rows``, cached per token count."""
+        entry = (self._bound.get(self.config(n_rows)), self.grid_rows(n_rows))
+        if self._bound:
+            self._by_rows[n_rows] = entry
+        return entry
 
     def _ordinary(self, cfg: LaunchConfig, tensors: Sequence[Any], n_rows: int, *strides: int) -> Any:
         import torch
@@ -204,6 +218,7 @@ class FusedLauncher:
         and be 16-byte aligned, as every tensor torch allocates is.
         """
         self._bound.clear()
+        self._by_rows.clear()
         if K.INTERPRETED:
             return False
         try:
@@ -226,6 +241,7 @@ class FusedLauncher:
                 if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs):
                     _log.warning("triton: direct launch disagrees with kernel[grid]; using kernel[grid]")
                     self._bound.clear()
+                    self._by_rows.clear()
                     return False
                 self._bound[cfg] = bound
             return True
@@ -234,7 +250,13 @@ class FusedLauncher:
                 "triton: direct launch unavailable (%s: %s); using kernel[grid]", type(exc).__name__, exc
             )
         self._bound.clear()
+        self._by_rows.clear()
         return False
+
+    def unbind(self) -> None:
+        """Drop the direct launchers: every launch goes through ``kernel[grid]`` (benchmarks, tests)."""
+        self._bound.clear()
+        self._by_rows.clear()
 
     @property
     def fast(self) -> bool:

@@ -172,7 +172,7 @@ def test_pdl_launch_option_and_config_per_token_count(monkeypatch):
     import arnorm_triton._launch_table as table
 
     fake = _setup(monkeypatch, corrupt=False)
-    monkeypatch.setitem(table.TABLE, (9, 256, 0), ((1, 2), (16, 4)))
+    monkeypatch.setitem(table.TABLE, (9, 256, 0, True, 2), ((1, 2), (16, 4)))
     launcher = _launcher(pdl=True, arch=(9, 0))
     assert [launcher.config(t).num_warps for t in (1, 2, 16, 17, 1000)] == [2, 4, 4, 4, 4]
     ptrs = _buffers(2, 256)
