@@ -4,7 +4,7 @@ Times, in one run, with CUDA-graph replay of ``--calls`` back-to-back calls (lau
 median over ``--replays`` replays, microseconds per call), bf16:
 
 - ``arnorm`` (normed + residual [+ quant]) and ``arnorm_lean`` (residual + quant, no normed output):
-  ``arnorm_triton._kernels.FusedLauncher`` driven directly (no torch.distributed);
+  ``arnorm_triton._launch.FusedLauncher`` driven directly (no torch.distributed);
 - ``compile``: ``torch.compile`` of the reference math (``arnorm.plugin.add_rmsnorm`` + the
   ``arnorm.quant`` quantizers), the same outputs as ``arnorm``; T is marked dynamic, so it compiles
   once per (H, format) plus once for T = 1 (``--static-compile``: once per shape, a longer run);
@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from arnorm_triton._kernels import FusedLauncher, default_num_warps
+from arnorm_triton._launch import FusedLauncher
+from arnorm_triton._launch_table import default_num_warps
 
 START = time.monotonic()
 EPS = 1e-6
@@ -155,7 +156,7 @@ class ArnormRun:
         # Validation launch (x and h apart), which also binds the direct launcher.
         self.h_sep = torch.empty_like(self.x)
         outs = tuple(o for o in (self.h_sep, self.y, self.q, self.sf) if o is not None)
-        self.launcher.enable_fast_path(self._ptrs(case.x, self.h_sep), outs, t)
+        self.launcher.bind(self._ptrs(case.x, self.h_sep), outs, t, (h, h, h), [self.launcher.config(t)])
         self._bound = self._ptrs(self.x, self.x)
 
     def _ptrs(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -170,7 +171,8 @@ class ArnormRun:
         )
 
     def __call__(self) -> None:
-        self.launcher.launch(*self._bound, n_rows=self.case.t)
+        h = self.case.h
+        self.launcher.launch(*self._bound, self.case.t, h, h, h)
 
     def check(self) -> str:
         """One launch (x and h apart) against the contract: residual bitwise, normed 1 ulp, quant bitwise."""
@@ -178,7 +180,7 @@ class ArnormRun:
         from arnorm.quant import quantize
 
         case = self.case
-        self.launcher.launch(*self._ptrs(case.x, self.h_sep), n_rows=case.t)
+        self.launcher.launch(*self._ptrs(case.x, self.h_sep), case.t, case.h, case.h, case.h)
         torch.cuda.synchronize()
         h_ref, y_ref = add_rmsnorm(case.x, case.r, case.w, EPS, 1.0)
         path = "direct launch" if self.launcher.fast else "kernel[grid]"
@@ -325,22 +327,23 @@ def judge(
 
 def launch_overhead() -> list[dict[str, Any]]:
     """Eager per-call latency at T = 1, H = 4096 (Python + launch, no graph): what uncaptured decode pays."""
-    from arnorm.plugin import Comm, Config, Problem
+    from arnorm.plugin import Comm, Problem
     from arnorm_triton._backend import TritonBackend
+    from arnorm_triton._plugin import TritonSettings
 
     out = []
     for fmt in ("none", "fp8_static"):
         case = Case(1, 4096, fmt)
         direct = ArnormRun(case, normed=True)
         ordinary = ArnormRun(case, normed=True)
-        ordinary.launcher._fast = None  # force the kernel[grid] path
+        ordinary.launcher._bound.clear()  # force the kernel[grid] path
         problem = Problem(
             world_size=1, hidden_size=4096, dtype="bfloat16", eps=EPS, weight_offset=1.0, quant=case.quant,
             scale_layout=None, max_tokens=64, normed_output=True, inplace=True, device_type="cuda",
             platform="cuda", arch=tuple(torch.cuda.get_device_capability()),
         )  # fmt: skip
         comm = Comm(None, torch.device("cuda", torch.cuda.current_device()))
-        backend = TritonBackend.create(problem, comm, Config())
+        backend = TritonBackend.create(problem, comm, TritonSettings())
         x = case.x.clone()
         paths = {
             "direct launcher": direct,
