@@ -65,7 +65,7 @@ def _child(
             wait = timedelta(seconds=timeout)
             store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=wait)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
-            message = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+            message: tuple[int, bool, bytes | str] = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
         except BaseException:
             message = (rank, False, traceback.format_exc())
         # Report before tearing down: the parent stops peers stuck in a collective with a dead rank.
