@@ -7,6 +7,7 @@ through ``AllReduceNorm``, checked layer by layer against the unfused torch path
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 __all__ = ["DEFAULTS", "pick_device", "run"]
@@ -69,16 +70,20 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     hidden, tokens, quant = opts["hidden"], opts["tokens"], opts["quant"]
     quant = None if quant == "none" else quant
     norm = arnorm.RMSNorm(eps=1e-6, weight_offset=1.0)  # Gemma-style, the harder case
-    op = arnorm.AllReduceNorm(
-        torch.distributed.group.WORLD,
-        hidden_size=hidden,
-        dtype=dtype,
-        norm=norm,
-        quant=quant,
-        max_tokens=max(tokens, 64),
-        backend=opts["backend"],
-        device=device,
-    )
+    try:
+        op = arnorm.AllReduceNorm(
+            torch.distributed.group.WORLD,
+            hidden_size=hidden,
+            dtype=dtype,
+            norm=norm,
+            quant=quant,
+            max_tokens=max(tokens, 64),
+            backend=opts["backend"],
+            device=device,
+        )
+    except arnorm.SelectionError as exc:
+        # Raised identically on every rank: rank 0's message is the whole story (no traceback).
+        return {"selection_error": f"{type(exc).__name__}: {exc}"}
     g = torch.Generator().manual_seed(1234)  # the same on every rank: shards are sliced, not re-drawn
     shard = hidden // world
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
@@ -156,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
     )
     results = run_ranks(args.tp, _rank_main, opts, backend=comm)
     first = results[0]
+    if "selection_error" in first:
+        print(f"arnorm demo: {first['selection_error']}", file=sys.stderr)
+        return 1
     print(first["explain"])
     print("layer  residual max|err|  normed max ulps  normed max|err|  quant max|err|  quant codes differing")
     ok = True

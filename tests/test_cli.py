@@ -360,3 +360,34 @@ def test_demo_runs_two_cpu_ranks_and_checks_itself(capsys, clean_env):
     assert rc == 0, out
     assert "backend on every rank: reference (agreed)" in out and "-> OK" in out
     assert len(re.findall(r"^\s+[01]\s+0\s+0\s", out, re.M)) == 2
+
+
+def test_malformed_setting_is_a_one_line_error(capsys, clean_env):
+    """A malformed ARNORM_* value ends explain with one line naming the variable, exit 2."""
+    clean_env.setenv("ARNORM_PROBE_TIMEOUT", "abc")
+    assert main(["explain", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("arnorm explain: error: ARNORM_PROBE_TIMEOUT: 'abc' (") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_demo_with_a_backend_that_cannot_serve_prints_its_reasons_once(capsys, clean_env):
+    """A strict backend the ranks reject ends the demo with exit 1 and the explanation, no traceback."""
+    argv = [
+        "demo",
+        "--backend",
+        "flashinfer",
+        "--device",
+        "cpu",
+        "--tokens",
+        "4",
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+    ]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert re.match(r"arnorm demo: (BackendNotInstalledError|NoEligibleBackendError): ", err), err
+    assert re.search(r"^flashinfer\s+300\s+(not_installed|incompatible)\s", err, re.M), err
