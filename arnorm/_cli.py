@@ -230,9 +230,11 @@ def _model_demo(args: argparse.Namespace) -> int:
     try:
         from arnorm._demo_model import run_model_demo
     except ModuleNotFoundError as exc:
-        if exc.name not in ("arnorm._demo_model", "arnorm"):
-            raise
-        raise UsageError("--model: this install has no model demo (arnorm._demo_model is missing)") from None
+        if exc.name in ("arnorm._demo_model", "arnorm"):
+            raise UsageError(
+                "--model: this install has no model demo (arnorm._demo_model is missing)"
+            ) from None
+        raise UsageError(f"--model: the model demo needs {exc.name}, which is not installed") from None
     from arnorm._demo import check_backend_names, pick_device
 
     check_backend_names(args.backend)

@@ -391,3 +391,19 @@ def test_demo_with_a_backend_that_cannot_serve_prints_its_reasons_once(capsys, c
     assert "Traceback" not in err, err
     assert re.match(r"arnorm demo: (BackendNotInstalledError|NoEligibleBackendError): ", err), err
     assert re.search(r"^flashinfer\s+300\s+(not_installed|incompatible)\s", err, re.M), err
+
+
+def test_demo_model_missing_dependency_is_a_usage_error(monkeypatch, capsys):
+    """A model demo whose own dependency is missing ends with one line naming it, exit 2."""
+    import types
+
+    def importer_failing_on_a_dependency():
+        raise ModuleNotFoundError("No module named 'transformers_x'", name="transformers_x")
+
+    module = types.ModuleType("arnorm._demo_model")
+    module.__getattr__ = lambda name: importer_failing_on_a_dependency()  # type: ignore[method-assign]
+    monkeypatch.setitem(sys.modules, "arnorm._demo_model", module)
+    assert main(["demo", "--model", "gemma3", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "arnorm demo: error: --model: the model demo needs transformers_x, which is not installed\n"
+    )
