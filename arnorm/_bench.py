@@ -355,7 +355,10 @@ def render_table(report: dict[str, Any]) -> str:
         if k == 0:
             dashes = ["-" * (w - 1) + ":" if rj else "-" * w for w, rj in zip(widths, right, strict=True)]
             lines.append("| " + " | ".join(dashes) + " |")
-    picks = ", ".join(f"T={t}: {n}" for t, n in report["auto"].items())
+    timed = {BASELINE, *report["timed"]}
+    picks = ", ".join(
+        f"T={t}: {n}" + ("" if n in timed or n == "-" else " (not timed)") for t, n in report["auto"].items()
+    )
     lines.append("")
     lines.append(f"auto mode picks: {picks or 'nothing'}")
     lines.extend(f"auto mode: {r}" for r in report["auto_error"])

@@ -68,7 +68,7 @@ def test_table_has_every_backend_and_the_baseline_per_token_count(bench_run):
     seen = {(int(t), b) for t, b, *_ in rows}
     assert seen == {(t, b) for t in TOKENS for b in ("baseline", *_names())}
     assert all(float(lo) <= float(med) <= float(hi) for _, _, med, lo, hi, _ in rows)
-    assert re.search(r"^auto mode picks: T=1: \S+, T=8: \S+$", out, re.M)
+    assert re.search(r"^auto mode picks: T=1: \S+( \(not timed\))?, T=8: \S+( \(not timed\))?$", out, re.M)
 
 
 @pytest.mark.slow
@@ -103,8 +103,10 @@ def test_plot_marks_the_backend_auto_mode_picks(bench_run):
     """The plot rings, per token count, the point of the backend auto mode runs; CPU says smoke test."""
     _, _, js, _ = bench_run
     report = json.loads(js.read_text())
-    fig = _bench.plot_figure(report)
-    ax = fig.axes[0]
+    timed = _names()
+    # Which backend auto mode picks here depends on what is installed: pin it to timed ones.
+    report["auto"] = {str(t): timed[i % len(timed)] for i, t in enumerate(TOKENS)}
+    ax = _bench.plot_figure(report).axes[0]
     (ring,) = [line for line in ax.get_lines() if line.get_gid() == "auto"]
     picks = {
         (r["tokens"], r["median_us"])
@@ -114,6 +116,20 @@ def test_plot_marks_the_backend_auto_mode_picks(bench_run):
     assert set(zip(ring.get_xdata(), ring.get_ydata(), strict=True)) == picks and len(picks) == len(TOKENS)
     assert "auto mode's pick" in [t.get_text() for t in ax.get_legend().get_texts()]
     assert "smoke test" in ax.get_title()
+    report["auto"] = {str(t): "not_timed_here" for t in TOKENS}  # a pick without a latency: no ring
+    assert not [line for line in _bench.plot_figure(report).axes[0].get_lines() if line.get_gid() == "auto"]
+
+
+@pytest.mark.slow
+def test_table_marks_auto_picks_and_says_when_one_was_not_timed(bench_run):
+    """The auto column marks the picked row; a pick outside --backends is named as not timed."""
+    _, _, js, _ = bench_run
+    report = json.loads(js.read_text())
+    report["auto"] = {"1": "reference", "8": "elsewhere"}
+    table = _bench.render_table(report)
+    assert re.search(r"^\|\s+1 \| reference\s+\|.*\| <- auto \|$", table, re.M), table
+    assert not re.search(r"^\|\s+8 \|.*<- auto", table, re.M), table
+    assert "auto mode picks: T=1: reference, T=8: elsewhere (not timed)" in table.splitlines()
 
 
 @pytest.mark.slow
