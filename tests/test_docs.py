@@ -1,4 +1,4 @@
-"""The docs are executable: every Python snippet runs, and the plugin of writing-a-backend.md installs and passes."""
+"""The docs are executable: Python snippets run; writing-a-backend.md's plugin installs and passes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Documents whose ```python blocks run as scripts (writing-a-backend.md is checked as a plugin below).
+#: Documents whose ```python blocks run as scripts (writing-a-backend.md: as a plugin, below).
 SCRIPTED = ["README.md", "docs/configuration.md", "docs/troubleshooting.md", "docs/integrations.md"]
 BLOCK = re.compile(r"(?P<marker><!-- not run: [^>]+-->\n)?```(?P<lang>\w+)\n(?P<body>.*?)```", re.S)
 
@@ -35,7 +35,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 SNIPPETS = [
-    pytest.param(doc, line, code, marks=[pytest.mark.skip(reason=marker)] if marker else [], id=f"{doc}:{line}")
+    pytest.param(
+        doc, line, code, marks=[pytest.mark.skip(reason=marker)] if marker else [], id=f"{doc}:{line}"
+    )
     for doc in SCRIPTED
     if (ROOT / doc).exists()
     for line, code, marker in blocks(doc, "python")
