@@ -76,6 +76,12 @@ class Comm:
             return cls(None, device)
         if tp_group is None:
             raise InvalidInputError(f"tp_group: None ({_GROUP_NEEDS})")
+        if dist.is_available() and tp_group is dist.GroupMember.NON_GROUP_MEMBER:
+            # What new_group() returns on ranks outside the group.
+            raise InvalidInputError(
+                f"tp_group: does not include this process (global rank {dist.get_rank()}) "
+                "(needs the TP group this rank belongs to)"
+            )
         if not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
             raise InvalidInputError(f"tp_group: {type(tp_group).__name__} {tp_group!r} ({_GROUP_NEEDS})")
         if dist.get_rank(tp_group) < 0:
@@ -142,6 +148,10 @@ def _cpu_twin(group: dist.ProcessGroup, cpu_group: object) -> Any:
 
     ranks = tuple(dist.get_process_group_ranks(group))
     if cpu_group is not None:
+        if cpu_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise InvalidInputError(
+                "cpu_group: does not include this process (needs a gloo group over the ranks of tp_group)"
+            )
         if not isinstance(cpu_group, dist.ProcessGroup):
             raise InvalidInputError(
                 f"cpu_group: {type(cpu_group).__name__} (needs a gloo ProcessGroup over the TP ranks)"

@@ -34,6 +34,9 @@ def load_class(spec: BackendSpec) -> tuple[Any, str]:
     try:
         return spec.load(), ""
     except BaseException as exc:  # the backend module may raise anything on import
+        text = str(exc)
+        if isinstance(exc, TypeError) and text.startswith(("protocol:", "loader:")):
+            return None, text  # the class loaded but breaks the protocol: already a reason
         return None, f"import: {plugin_failure(exc)} (needs a working install of backend {spec.name!r})"
 
 

@@ -234,3 +234,51 @@ def rank_dependent_token_budget(rank: int, world: int):
         served = [op.backend_for(t) for t in range(1, 9)]
         raising = op.explain().verdict("raising")
         return served, raising.status, raising.reasons
+
+
+def group_safety(rank: int, world: int):
+    """4 ranks in two TP groups of 2: the errors a device group without its CPU twin gets, and the fix."""
+    import torch.distributed as dist
+
+    import arnorm._comm as comm_module
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    twins = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine, other = pairs[rank // 2], pairs[1 - rank // 2]
+    twin, wrong_twin = twins[rank // 2], twins[1 - rank // 2]
+    kw = dict(hidden_size=32, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=4)
+    out = {}
+    # Pretend the TP groups are device (NCCL) groups: only the twins "support CPU".
+    real = comm_module._supports_cpu
+    comm_module._supports_cpu = lambda g: g not in pairs and real(g)
+    try:
+        for label, group, cpu_group in (
+            ("no twin", mine, None),
+            ("not a member", other, None),
+            ("wrong twin", mine, wrong_twin),
+        ):
+            try:
+                arnorm.AllReduceNorm(group, cpu_group=cpu_group, **kw).close()
+                out[label] = "built"
+            except arnorm.InvalidInputError as exc:
+                out[label] = str(exc)
+        with arnorm.AllReduceNorm(mine, cpu_group=twin, **kw) as op:
+            out["with twin"] = op.problem.world_size
+    finally:
+        comm_module._supports_cpu = real
+    return out
+
+
+def malformed_setting_on_one_rank(rank: int, world: int):
+    """ARNORM_PROBE_TIMEOUT=abc on rank 1 only: every rank raises the same ConfigError, none blocks."""
+    import os
+
+    if rank == 1:
+        os.environ["ARNORM_PROBE_TIMEOUT"] = "abc"
+    try:
+        arnorm.AllReduceNorm(
+            torch.distributed.group.WORLD, hidden_size=32, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6)
+        ).close()
+    except arnorm.ConfigError as exc:
+        return str(exc)
+    return "built"

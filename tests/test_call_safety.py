@@ -10,10 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arnorm
-import fake_backends
 from arnorm._reference import add_rmsnorm
 
+import fake_backends
+
 H = 8
+
+
+@pytest.fixture(autouse=True)
+def _reference_only():
+    """The core's own behaviour is checked against the reference alone (no plugin, no interpreter)."""
+    fake_backends.install()
 
 
 def make(**kw) -> arnorm.AllReduceNorm:
@@ -43,9 +50,11 @@ def test_a_residual_overlapping_hidden_states_is_rejected_and_nothing_is_written
     buf = rand(8, H)
     x = buf[0:4]
     before = buf.clone()
-    with make() as op:
-        with pytest.raises(arnorm.InvalidInputError, match=r"residual: overlaps hidden_states' memory"):
-            op(x, residual_of(x, buf), rand(H))
+    with (
+        make() as op,
+        pytest.raises(arnorm.InvalidInputError, match=r"residual: overlaps hidden_states' memory"),
+    ):
+        op(x, residual_of(x, buf), rand(H))
     assert torch.equal(buf, before)
 
 

@@ -93,7 +93,8 @@ def test_broken_distribution_on_sys_path_does_not_break_the_core():
             infos = {i.name: i for i in arnorm.backends()}
         warned = sum("'broken'" in str(x.message) for x in w)
         print(infos["broken"].status, "|", infos["broken"].reason, "|", warned)
-        op = arnorm.AllReduceNorm(arnorm.LOCAL, hidden_size=16, dtype=torch.float32, max_tokens=4, backend="reference", norm=arnorm.RMSNorm(1e-6))
+        kw = dict(hidden_size=16, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=4)
+        op = arnorm.AllReduceNorm(arnorm.LOCAL, backend="reference", **kw)
         print(op.explain().rejections().get("broken", ("-",))[0])
         """
     )

@@ -89,3 +89,22 @@ def test_token_budgets_and_check_tokens_errors_are_agreed_across_ranks():
     assert status == "setup_failed" and any("rank 1" in r and "budget lookup failed" in r for r in reasons), (
         reasons
     )
+
+
+def test_groups_smaller_than_world_need_their_cpu_group_and_say_so():
+    """A device TP group without cpu_group, a group this rank is not in, a foreign twin: clear errors."""
+    results = run_ranks(4, rf.group_safety)
+    for rank, out in enumerate(results):
+        assert out["no twin"].startswith(
+            "cpu_group: missing for a gloo group of 2 of 4 ranks (needs cpu_group="
+        )
+        assert out["not a member"].startswith("tp_group: does not include this process"), out
+        assert out["wrong twin"].startswith("cpu_group: does not include this process"), (rank, out)
+        assert out["with twin"] == 2
+
+
+def test_a_malformed_setting_on_one_rank_fails_every_rank_the_same_way():
+    """A bad variable on rank 1 only: the same ConfigError everywhere, not a rank blocked in a collective."""
+    results = run_ranks(2, rf.malformed_setting_on_one_rank, timeout=60)
+    assert results[0] == results[1]
+    assert "ARNORM_PROBE_TIMEOUT" in results[0] and results[0].startswith("rank 1: ")
