@@ -21,7 +21,7 @@ import arnorm
 from arnorm.plugin import BackendSpec
 
 import fake_backends
-from relia_envs import H, MAX_TOKENS, _paired
+from relia_envs import MAX_TOKENS, H, _paired
 from relia_harness import Ctx, attempt
 
 #: Global ranks that misbehave in the current scenario.
