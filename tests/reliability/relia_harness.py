@@ -1,17 +1,19 @@
-"""One spawn of ranks runs a whole table of attack scenarios; each scenario is bounded in time.
+"""One spawn of ranks runs every attack scenario; each scenario is bounded in time.
 
-Spawning gloo ranks costs seconds, so the attack tests run every scenario of one table in one spawn
-per world size (:func:`table`, cached per session) and assert on the outcomes one parametrized test
-at a time. Inside the spawn (:func:`run_table`) every scenario starts after a barrier on WORLD (the
-ranks are in step), gets a fresh gloo group whose collectives time out after a few seconds, a clean
-registry, probe cache and environment. A scenario that leaves a rank waiting in a collective (the
-failure these tests exist to catch) therefore ends as a ``RuntimeError`` outcome on that rank after
-the group timeout, never as a stuck spawn, and the next scenario still starts in step. The spawn
-itself has a timeout too, so nothing here can hang CI.
+Spawning gloo ranks costs seconds, so the attack tests run every scenario of every table
+(:data:`TABLES`) in one spawn per world size (:func:`outcomes`, cached per session) and assert on
+the outcomes one parametrized test at a time. Inside the spawn (:func:`run_tables`) every scenario
+starts after a barrier on WORLD (the ranks are in step) with a fresh gloo group whose collectives
+time out after a few seconds, a clean registry, probe cache and ``ARNORM_*`` environment. A
+scenario that leaves a rank waiting in a collective (the failure these tests exist to catch) thus
+ends as a ``RuntimeError`` outcome on that rank after the group timeout, never as a stuck spawn,
+and the next scenario still starts in step. The spawn itself has a timeout too: nothing here can
+hang CI.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import traceback
@@ -117,3 +119,22 @@ def same_everywhere(outcomes: list) -> Any:
         f"  rank {r}: {o!r}" for r, o in enumerate(outcomes)
     )
     return outcomes[0]
+
+
+@functools.cache
+def triton_unavailable() -> str:
+    """Why the triton backend cannot serve a small CPU problem here ("" when it can)."""
+    import torch
+
+    import arnorm
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        return "TRITON_INTERPRET=1 is not set"
+    try:
+        arnorm.AllReduceNorm(
+            arnorm.LOCAL, hidden_size=32, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6),
+            max_tokens=4, backend="triton", device="cpu",
+        ).close()  # fmt: skip
+    except arnorm.ArnormError as exc:
+        return str(exc).splitlines()[0]
+    return ""

@@ -14,9 +14,6 @@ quantizers agree with arnorm.quant bit for bit: test_relia_oracle.py).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -24,6 +21,7 @@ from hypothesis import strategies as st
 from arnorm.testing import run_ranks
 
 import relia_fuzz_ranks
+from relia_harness import triton_unavailable
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +79,11 @@ def draw(strategy: st.SearchStrategy, n: int) -> list:
 def check(world: int, drawn: list[dict], backend: str, env: dict[str, str] | None = None) -> None:
     failures = run_ranks(world, relia_fuzz_ranks.run_cases, drawn, backend, env=env, timeout=90)
     found = {(rank, i): why for rank, per_rank in enumerate(failures) for i, why in per_rank}
-    assert not found, f"{len(found)} of {len(drawn)} cases x {world} ranks off the contract:\n" + "\n".join(
-        f"  rank {rank}, case {i}: {why}\n    {drawn[i]}" for (rank, i), why in sorted(found.items())[:20]
+    assert not found, (
+        f"{len(found)} (rank, case) pairs of {len(drawn)} cases x {world} ranks off the contract:\n"
+        + "\n".join(
+            f"  rank {rank}, case {i}: {why}\n    {drawn[i]}" for (rank, i), why in sorted(found.items())[:20]
+        )
     )
 
 
@@ -90,25 +91,6 @@ def check(world: int, drawn: list[dict], backend: str, env: dict[str, str] | Non
 def test_reference_meets_the_contract_on_random_cases(world):
     """64 random cases per world size: residual bitwise, normed within the interval, quant bitwise."""
     check(world, draw(cases(small=False), 64), "reference")
-
-
-@functools.cache
-def triton_unavailable() -> str:
-    """Why the triton backend cannot serve a small CPU problem here ("" when it can)."""
-    import torch
-
-    import arnorm
-
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        return "TRITON_INTERPRET=1 is not set"
-    try:
-        arnorm.AllReduceNorm(
-            arnorm.LOCAL, hidden_size=32, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6),
-            max_tokens=4, backend="triton", device="cpu",
-        ).close()  # fmt: skip
-    except arnorm.ArnormError as exc:
-        return str(exc).splitlines()[0]
-    return ""
 
 
 @pytest.mark.parametrize("world", [2, 4])
