@@ -27,6 +27,8 @@ SCENARIO_TIMEOUT_S = 20.0
 #: Collective timeout for scenarios known to leave a rank waiting today (strict xfails): they cost
 #: this much per run until the core is fixed, so it is short.
 HANG_TIMEOUT_S = 3.0
+#: The outcome of a scenario that was not run at this world size.
+NOT_RUN = ("not run",)
 #: Timeout of one spawn (all scenarios of a table on one world size).
 SPAWN_TIMEOUT_S = 60.0
 
@@ -60,7 +62,8 @@ TABLES = ("relia_inputs", "relia_envs", "relia_plugins")
 def run_tables(rank: int, world: int, tables: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Rank side: ``{module: {name: outcome}}`` of ``module.SCENARIOS[name](ctx)`` for every scenario.
 
-    Names in ``module.SHORT`` get :data:`HANG_TIMEOUT_S` as their group's collective timeout.
+    Names in ``module.SHORT`` (known to leave ranks waiting today) run at 2 ranks only, with
+    :data:`HANG_TIMEOUT_S` as their group's collective timeout.
     """
     import torch.distributed as dist
 
@@ -72,6 +75,9 @@ def run_tables(rank: int, world: int, tables: Sequence[str]) -> dict[str, dict[s
         short = getattr(mod, "SHORT", ())
         results[module] = out = {}
         for name, scenario in mod.SCENARIOS.items():
+            if name in short and world != 2:
+                out[name] = NOT_RUN  # a known hang costs its timeout once, at 2 ranks
+                continue
             dist.barrier()  # every rank finished (or timed out of) the previous scenario
             seconds = HANG_TIMEOUT_S if name in short else SCENARIO_TIMEOUT_S
             # Created while the ranks are in step: gloo connects every pair at construction.
@@ -110,7 +116,12 @@ def outcomes(world: int, module: str, name: str) -> list:
     got = _spawns[world]
     if isinstance(got, Exception):
         raise AssertionError(f"the attack spawn on {world} ranks failed:\n{got}")
-    return [per_rank[module][name] for per_rank in got]
+    results = [per_rank[module][name] for per_rank in got]
+    if results[0] == NOT_RUN:
+        import pytest
+
+        pytest.skip("a scenario that leaves ranks waiting today runs at 2 ranks only")
+    return results
 
 
 def same_everywhere(outcomes: list) -> Any:

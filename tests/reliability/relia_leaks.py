@@ -47,7 +47,7 @@ def _cycle(group: Any, i: int, backend: str | None) -> None:
 def _fused(group: Any, i: int) -> None:
     """fused_allreduce_norm over more signatures than its cache holds (distinct eps): evictions close."""
     x, r, w = torch.randn(2, H), torch.randn(2, H), torch.ones(H)
-    arnorm.fused_allreduce_norm(x, r, w, group=group, eps=1e-6 * (1 + i % 40))
+    arnorm.fused_allreduce_norm(x, r, w, group=group, eps=1e-6 * (1 + i % 24))
 
 
 def measure(loop: Callable[[int], None], warm: int, n: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -66,7 +66,7 @@ def leak_loops(rank: int, world: int, backends: list[str | None]) -> dict[str, t
 
     out = {}
     for backend in backends:
-        out[f"local {backend}"] = measure(lambda i, b=backend: _cycle(arnorm.LOCAL, i, b), 6, 60)
-        out[f"world {backend}"] = measure(lambda i, b=backend: _cycle(dist.group.WORLD, i, b), 6, 60)
-    out["fused world"] = measure(lambda i: _fused(dist.group.WORLD, i), 40, 80)
+        out[f"local {backend}"] = measure(lambda i, b=backend: _cycle(arnorm.LOCAL, i, b), 6, 40)
+        out[f"world {backend}"] = measure(lambda i, b=backend: _cycle(dist.group.WORLD, i, b), 6, 40)
+    out["fused world"] = measure(lambda i: _fused(dist.group.WORLD, i), 24, 48)
     return out

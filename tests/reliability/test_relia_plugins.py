@@ -85,8 +85,7 @@ def test_a_strictly_named_misbehaving_plugin_is_the_same_error_everywhere(world,
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize(("name", "warned_ranks"), [("close_raises_one", "last"), ("close_exits_all", "all")])
 def test_close_raising_warns_and_closes_the_op_on_every_rank(world, name, warned_ranks):
-    """close() raising (even SystemExit) is a warning where it raised; the op is closed everywhere and
-    the ranks stay in step for the next op."""
+    """close() raising (SystemExit too) warns where it raised; the op is closed everywhere, ranks in step."""
     results = harness.outcomes(world, "relia_plugins", name)
     for rank, (closed, warned, after, paired) in enumerate(results):
         assert closed == ("ok", None), closed
