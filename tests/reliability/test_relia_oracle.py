@@ -58,15 +58,16 @@ def test_the_oracle_quantizers_match_arnorm_quant_bit_for_bit(case):
 
 
 def test_the_oracle_reproduces_hand_computed_values():
-    """Two ranks of bf16 halves: rank-order sum, residual add, and a normed interval of one value."""
-    x0 = np.array([[1.0, 2.0, 3.0, 4.0]])
-    x1 = np.array([[1.0, 2.0, 3.0, 4.0]])
-    res = np.array([[0.0, 0.0, 0.0, 0.0]])
-    exp = oracle.add_rmsnorm(
-        [x0, x1], res, np.ones(4), dtype="bfloat16", eps=0.0, offset=0.0, round_before_weight=False
-    )
+    """[1, 2, 3, 4] on two bf16 ranks: residual [2, 4, 6, 8]; normed is bf16(h / sqrt(30)) exactly."""
+    x = np.array([[1.0, 2.0, 3.0, 4.0]])
+    kw = dict(dtype="bfloat16", eps=0.0, offset=0.0, round_before_weight=False)
+    exp = oracle.add_rmsnorm([x, x], np.zeros((1, 4)), np.ones(4), **kw)
     np.testing.assert_array_equal(exp.residual, [[2.0, 4.0, 6.0, 8.0]])
-    rms = np.sqrt((4 + 16 + 36 + 64) / 4)
-    exact = np.array([[2.0, 4.0, 6.0, 8.0]]) / rms
-    assert np.all(exp.lo <= exact + 0.01) and np.all(exact - 0.01 <= exp.hi)
-    assert np.all(exp.hi - exp.lo <= np.spacing(np.float32(exp.hi)) * 2**16)  # at most one bf16 ulp
+    # 2 / sqrt(30) = 0.36515 -> 0.365234375 (bf16 spacing 2**-9 there), and so on.
+    expected = [[0.365234375, 0.73046875, 1.09375, 1.4609375]]
+    np.testing.assert_array_equal(exp.lo, expected)
+    np.testing.assert_array_equal(exp.hi, expected)
+    # Gemma offset 1 with weight 0.5, rounding before the weight: bf16(bf16(z) * 1.5).
+    kw.update(offset=1.0, round_before_weight=True)
+    exp = oracle.add_rmsnorm([x, x], np.zeros((1, 4)), np.full(4, 0.5), **kw)
+    np.testing.assert_array_equal(exp.lo, [[0.546875, 1.09375, 1.640625, 2.1875]])
