@@ -35,7 +35,7 @@ def _cycle(group: Any, i: int, backend: str | None) -> None:
     quant = (None, "fp8_per_token", "mxfp8")[i % 3]
     op = arnorm.AllReduceNorm(
         group, hidden_size=H, dtype=torch.bfloat16, norm=arnorm.RMSNorm(1e-6, 1.0), quant=quant,
-        max_tokens=4, backend=backend,
+        max_tokens=4, backend=backend, device="cpu",
     )  # fmt: skip
     x, r, w = torch.randn(3, H, dtype=torch.bfloat16), torch.randn(3, H, dtype=torch.bfloat16), torch.ones(H)
     op(x, r, w.bfloat16())
