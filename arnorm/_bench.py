@@ -25,7 +25,6 @@ import functools
 import importlib.util
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,13 +35,27 @@ if TYPE_CHECKING:
 
     from arnorm._problem import Problem
 
-__all__ = ["combine", "parse_tokens", "percentile", "render_table", "run", "select_backends", "write_plot"]
+__all__ = [
+    "auto_points",
+    "combine",
+    "make_problem",
+    "parse_tokens",
+    "percentile",
+    "plot_figure",
+    "rejection",
+    "render_table",
+    "run",
+    "select_backends",
+    "write_plot",
+]
 
 BASELINE = "baseline"
 EPS = 1e-6
 #: Dequant scale (fp8_static) or global encode scale (nvfp4) used for the timed calls.
 SCALES = {"fp8_static": 0.02, "nvfp4": 448 * 6 / 8.0}
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: Printed under a CPU run's table and plot: gloo and the CPU say nothing about GPU kernels.
+SMOKE_TEST = "CPU run: a smoke test of the bench itself; these numbers say nothing about GPU backends"
 #: The token sweep when ``--tokens`` is not given, by "on a GPU".
 DEFAULT_TOKENS = {False: "1,16,128,1024", True: "1,16,128,1024,8192"}
 
@@ -93,46 +106,68 @@ def make_problem(tp: int, hidden: int, dtype: str, quant: str | None, max_tokens
     """The :class:`~arnorm.plugin.Problem` every rank builds (device ``cuda:0`` or ``cpu``)."""
     import torch
 
-    from arnorm._op import _platform
-    from arnorm._problem import Problem
-    from arnorm.quant import check_format
+    import arnorm
+    from arnorm._op import build_problem
 
-    layout = check_format(quant, None, hidden) if quant else None
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    platform, arch, gfx = _platform(device)
-    return Problem(
-        tp, hidden, dtype, EPS, 0.0, quant, layout, max_tokens, True, True, device.type, platform, arch, gfx
+    return build_problem(
+        tp,
+        hidden_size=hidden,
+        dtype=getattr(torch, dtype),
+        norm=arnorm.RMSNorm(EPS, 0.0),
+        quant=quant,
+        scale_layout=None,
+        max_tokens=max_tokens,
+        normed_output=True,
+        inplace=True,
+        device=torch.device("cuda", 0) if cuda else torch.device("cpu"),
     )
 
 
-def select_backends(problem: Problem, names: Sequence[str] | None) -> tuple[list[str], dict[str, list[str]]]:
-    """``(backends to time, {not eligible: reasons})`` from a local explain (no collective).
+def select_backends(
+    problem: Problem, names: Sequence[str] | None
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """``(backends to time, {not timed: {"status", "reasons"}})`` from a local check (no collective).
 
-    ``names=None``: every registered backend eligible for ``problem`` here, highest priority
-    first (``ARNORM_DISABLE`` respected); else exactly ``names``, in that order.
+    ``names=None``: every registered backend eligible for ``problem`` here, in the one backend
+    order (priority, then name; ``ARNORM_DISABLE`` respected); else exactly ``names``, in that
+    order, and the ones that are not eligible with their verdicts.
     """
     from arnorm._config import load_config
     from arnorm._discovery import get_registry
     from arnorm._select import Preference, check_locally
+    from arnorm._spec import priority_order
 
+    config = load_config()
     if names is None:
-        pref = Preference(None, "auto", tuple(load_config().disable))
+        pref = Preference(None, "auto", tuple(config.disable))
     else:
         pref = Preference(tuple(names), "--backends")
-    verdicts = check_locally(problem, get_registry(), pref)
-    order = list(verdicts)
+    verdicts = list(check_locally(problem, get_registry(), pref, timeout=config.probe_timeout).values())
     if names is None:
-        order.sort(key=lambda n: (verdicts[n][0] is None, -(verdicts[n][0] or 0), n))
-    eligible = [n for n in order if not verdicts[n][1]]
-    rejected = {n: list(verdicts[n][1]) for n in order if verdicts[n][1] and names is not None}
+        verdicts.sort(key=lambda v: priority_order(v.priority, v.backend))
+    eligible = [v.backend for v in verdicts if v.is_usable]
+    rejected = {
+        v.backend: {"status": v.status, "reasons": list(v.reasons)}
+        for v in verdicts
+        if not v.is_usable and names is not None
+    }
     return eligible, rejected
 
 
-def _reasons(exc: BaseException) -> list[str]:
-    """The reasons inside an arnorm error (its explanation rows), else its first line."""
-    text = str(exc)
-    found = [m.group(1).strip() for m in re.finditer(r"\brejected\s+(.+)$", text, re.M)]
-    return found or [f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"]
+def rejection(exc: BaseException, backend: str | None) -> dict[str, Any]:
+    """``{"status", "reasons"}`` of an op that could not be built, read from the error's explanation:
+    ``backend``'s verdict (strict builds), or every unusable verdict (auto mode)."""
+    from arnorm._errors import SelectionError
+
+    expl = exc.explanation if isinstance(exc, SelectionError) else None
+    if expl is None:  # a bad argument or setting: the message is one line in the reason grammar
+        return {"status": "error", "reasons": [f"{type(exc).__name__}: {exc}"]}
+    if backend is not None:
+        verdict = expl.verdict(backend)
+        if verdict is not None:
+            return {"status": verdict.status, "reasons": list(verdict.reasons)}
+    reasons = [f"{v.backend} ({v.status}): {r}" for v in expl.verdicts if not v.is_usable for r in v.reasons]
+    return {"status": "none_usable", "reasons": reasons}
 
 
 def _unfused(
@@ -202,6 +237,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     hidden, tokens, quant = int(opts["hidden"]), list(opts["tokens"]), opts["quant"]
     max_t = max(tokens)
     norm = arnorm.RMSNorm(eps=EPS, weight_offset=0.0)
+    group = dist.group.WORLD
     common = dict(hidden_size=hidden, dtype=dtype, norm=norm, quant=quant, max_tokens=max_t, device=device)
     g = torch.Generator().manual_seed(1000 + rank)
     partial = torch.randn(max_t, hidden, generator=g).to(dtype).to(device)
@@ -218,20 +254,19 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     auto: dict[str, str] = {}
     auto_error: list[str] = []
     try:
-        with arnorm.AllReduceNorm(**common) as op:
+        with arnorm.AllReduceNorm(group, **common) as op:
             for t in tokens:
-                try:
-                    auto[str(t)] = op.backend_for(t)
-                except arnorm.ArnormError as exc:
-                    auto[str(t)] = "-"
-                    auto_error = _reasons(exc)
+                served = op.explain(t)
+                auto[str(t)] = served.token_backend or "-"
+                if served.token_backend is None:
+                    auto_error += [f"T={t}: {n}: {r}" for n, rs in served.token_reasons for r in rs]
     except arnorm.ArnormError as exc:
-        auto_error = _reasons(exc)
+        auto_error = rejection(exc, None)["reasons"]
 
     names: list[str] = list(opts["backends"])
     progress = Progress(len(tokens) * (1 + len(names)), rank == 0)
     results: list[dict[str, Any]] = []
-    rejected: dict[str, list[str]] = {}
+    rejected: dict[str, dict[str, Any]] = {}
     layout = default_layout(quant) if quant else None
     baseline = functools.partial(_unfused, quant=quant, layout=layout)
 
@@ -250,9 +285,9 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     sweep(BASELINE, baseline, None)
     for name in names:
         try:
-            op = arnorm.AllReduceNorm(**common, backend=name)
+            op = arnorm.AllReduceNorm(group, **common, backend=name)
         except arnorm.ArnormError as exc:
-            rejected[name] = _reasons(exc)
+            rejected[name] = rejection(exc, name)
             progress.advance(f"{name}: not eligible", len(tokens))
             continue
         try:
@@ -264,7 +299,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def combine(
-    per_rank: list[dict[str, Any]], meta: dict[str, Any], rejected: dict[str, list[str]]
+    per_rank: list[dict[str, Any]], meta: dict[str, Any], rejected: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """One report: per iteration the slowest rank, then median, p10, p90 and speed-up per point."""
     first = per_rank[0]
@@ -320,17 +355,32 @@ def render_table(report: dict[str, Any]) -> str:
         if k == 0:
             dashes = ["-" * (w - 1) + ":" if rj else "-" * w for w, rj in zip(widths, right, strict=True)]
             lines.append("| " + " | ".join(dashes) + " |")
-    picks = ", ".join(f"T={t}: {n}" for t, n in report["auto"].items())
+    timed = {BASELINE, *report["timed"]}
+    picks = ", ".join(
+        f"T={t}: {n}" + ("" if n in timed or n == "-" else " (not timed)") for t, n in report["auto"].items()
+    )
     lines.append("")
     lines.append(f"auto mode picks: {picks or 'nothing'}")
     lines.extend(f"auto mode: {r}" for r in report["auto_error"])
-    for name, reasons in report["rejected"].items():
-        lines.append(f"not timed: {name}: " + "; ".join(reasons))
+    for name, why in report["rejected"].items():
+        lines.append(f"not timed: {name} ({why['status']}): " + "; ".join(why["reasons"]))
+    if report["device"] == "cpu":
+        lines.append(SMOKE_TEST)
     return "\n".join(lines)
 
 
-def write_plot(report: dict[str, Any], path: str) -> None:
-    """Median latency against tokens (log-log), p10-p90 shaded; one line per backend plus the baseline."""
+def auto_points(report: dict[str, Any]) -> list[tuple[int, float, str]]:
+    """``(tokens, median us, backend)`` of the timed point auto mode would run, per token count."""
+    points = []
+    for r in report["results"]:
+        if r["samples_us"] and report["auto"].get(str(r["tokens"])) == r["backend"]:
+            points.append((r["tokens"], r["median_us"], r["backend"]))
+    return sorted(points)
+
+
+def plot_figure(report: dict[str, Any]) -> Any:
+    """Median latency against tokens (log-log), p10-p90 shaded; one line per backend plus the
+    baseline; a ring around each point auto mode picks. Returns the matplotlib ``Figure``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -347,20 +397,42 @@ def write_plot(report: dict[str, Any], path: str) -> None:
         ax.fill_between(
             t, [r["p10_us"] for r in pts], [r["p90_us"] for r in pts], color=line.get_color(), alpha=0.15
         )
+    picked = auto_points(report)
+    if picked:
+        ax.plot(
+            [p[0] for p in picked],
+            [p[1] for p in picked],
+            linestyle="none",
+            marker="o",
+            markersize=14,
+            markerfacecolor="none",
+            markeredgecolor="crimson",
+            markeredgewidth=2,
+            label="auto mode's pick",
+            gid="auto",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(report["tokens"], labels=[str(t) for t in report["tokens"]])
     ax.set_xticks([], minor=True)
     ax.set_xlabel("tokens")
     ax.set_ylabel("latency per call (us, median; p10-p90 shaded)")
-    ax.set_title(
+    title = (
         f"arnorm bench: TP {report['tp']}, H {report['hidden']}, {report['dtype']}, "
         f"quant {report['quant'] or 'none'}, {report['device']}"
     )
+    if report["device"] == "cpu":
+        title += "\n(CPU: a smoke test of the bench, not a measure of GPU backends)"
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    """Save :func:`plot_figure` as a PNG."""
+    plot_figure(report).savefig(path, dpi=120)
 
 
 def _in_process(opts: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
@@ -385,27 +457,25 @@ def _in_process(opts: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``arnorm bench``; exit status 0: something was timed, 1: no backend could be, 2: usage."""
+    """``arnorm bench``; exit status 0: something was timed, 1: no backend could be.
+
+    Usage errors raise the CLI's ``UsageError`` (exit status 2, one line)."""
     import torch
 
+    from arnorm._cli import UsageError
+
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("arnorm bench: --plot needs matplotlib: pip install 'arnorm[plot]'", file=sys.stderr)
-        return 2
-    if args.hidden < 1 or (args.iters is not None and args.iters < 1) or (args.warmup or 0) < 0:
-        print("arnorm bench: --hidden and --iters need values >= 1, --warmup >= 0", file=sys.stderr)
-        return 2
+        raise UsageError("--plot: needs matplotlib (pip install 'arnorm[plot]')")
     torchrun = all(v in os.environ for v in TORCHRUN_VARS)
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.tp or 2)
     if args.tp is not None and args.tp != world:
-        print(f"arnorm bench: --tp {args.tp} differs from torchrun's WORLD_SIZE {world}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--tp {args.tp}: differs from torchrun's WORLD_SIZE {world}")
     has_cuda = torch.cuda.is_available()
     if args.device == "cuda" and not has_cuda:
-        print("arnorm bench: --device cuda but no GPU is visible", file=sys.stderr)
-        return 2
+        raise UsageError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
     n_gpu = torch.cuda.device_count() if has_cuda else 0
     cuda = args.device == "cuda" or (args.device == "auto" and has_cuda and (torchrun or n_gpu >= world))
-    tokens = parse_tokens(args.tokens or DEFAULT_TOKENS[cuda])
+    tokens = list(args.tokens) if args.tokens else parse_tokens(DEFAULT_TOKENS[cuda])
     quant = None if args.quant == "none" else args.quant
     problem = make_problem(world, args.hidden, args.dtype, quant, max(tokens), cuda)
     names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else None

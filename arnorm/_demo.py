@@ -1,12 +1,35 @@
 """``arnorm demo``: a small tensor-parallel decoder stack whose every row-parallel output goes
-through ``AllReduceNorm``, checked layer by layer against the unfused torch path."""
+through ``AllReduceNorm``, checked layer by layer against the unfused torch path.
+
+(``arnorm demo --model`` runs a real architecture instead: :mod:`arnorm._demo_model`.)
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-__all__ = ["run"]
+__all__ = ["DEFAULTS", "pick_device", "run"]
+
+#: Values of the synthetic stack's options when not given (``None`` on the command line, so that
+#: ``--model`` can tell which were given).
+DEFAULTS = {"layers": 4, "tokens": 16, "hidden": 256, "quant": "fp8_static"}
+
+
+def pick_device(device: str, tp: int) -> str:
+    """``"cuda"`` or ``"cpu"`` for ``--device`` (auto: CUDA when at least ``tp`` GPUs are visible);
+    raises the CLI's ``UsageError`` for ``cuda`` on a machine without CUDA."""
+    import torch
+
+    from arnorm._cli import UsageError
+
+    has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise UsageError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+    if device == "auto":
+        return "cuda" if has_cuda and torch.cuda.device_count() >= tp else "cpu"
+    return device
 
 
 def _unfused(
@@ -47,15 +70,20 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     hidden, tokens, quant = opts["hidden"], opts["tokens"], opts["quant"]
     quant = None if quant == "none" else quant
     norm = arnorm.RMSNorm(eps=1e-6, weight_offset=1.0)  # Gemma-style, the harder case
-    op = arnorm.AllReduceNorm(
-        hidden_size=hidden,
-        dtype=dtype,
-        norm=norm,
-        quant=quant,
-        max_tokens=max(tokens, 64),
-        backend=opts["backend"],
-        device=device,
-    )
+    try:
+        op = arnorm.AllReduceNorm(
+            torch.distributed.group.WORLD,
+            hidden_size=hidden,
+            dtype=dtype,
+            norm=norm,
+            quant=quant,
+            max_tokens=max(tokens, 64),
+            backend=opts["backend"],
+            device=device,
+        )
+    except arnorm.SelectionError as exc:
+        # Raised identically on every rank: rank 0's message is the whole story (no traceback).
+        return {"selection_error": f"{type(exc).__name__}: {exc}"}
     g = torch.Generator().manual_seed(1234)  # the same on every rank: shards are sliced, not re-drawn
     shard = hidden // world
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
@@ -74,54 +102,68 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             partial, residual, gamma, norm.eps, norm.weight_offset, quant, scale, op.problem.scale_layout
         )
         out = op(partial.clone(), residual, gamma, scale)
+        normed, q = out.normed, out.quant
+        if normed is None or (quant is not None and q is None):
+            raise RuntimeError(f"backend {op.backend}: an output is missing ({out!r})")
         row = {
             "layer": layer,
             "residual_max_abs": float((out.residual.float() - ref_h.float()).abs().max()),
-            "normed_max_ulps": ulp_distance(out.normed, ref_y),
-            "normed_max_abs": float((out.normed.float() - ref_y.float()).abs().max()),
+            "normed_max_ulps": ulp_distance(normed, ref_y),
+            "normed_max_abs": float((normed.float() - ref_y.float()).abs().max()),
         }
-        if quant is not None:
-            deq, ref_deq = out.quant.dequantize(), ref_q.dequantize()
+        if q is not None:
+            deq, ref_deq = q.dequantize(), ref_q.dequantize()
             row["quant_max_abs"] = float((deq - ref_deq).abs().max())
             row["quant_mismatch"] = float(
-                (out.quant.data.view(torch.uint8) != ref_q.data.view(torch.uint8)).float().mean()
+                (q.data.view(torch.uint8) != ref_q.data.view(torch.uint8)).float().mean()
             )
         rows.append(row)
-        residual, x = out.residual.clone(), out.normed
+        residual, x = out.residual.clone(), normed
     result = {"backend": op.backend, "explain": str(op.explain(tokens)), "rows": rows, "device": str(device)}
     op.close()
     return result
 
 
+def check_backend_names(text: str | None) -> None:
+    """A ``--backend`` name that is not registered is a usage error here, before ranks are spawned."""
+    if text is None:
+        return
+    from arnorm._capabilities import join_or
+    from arnorm._cli import UsageError
+    from arnorm._config import parse_names
+    from arnorm._discovery import get_registry
+
+    known = [i.name for i in get_registry().infos()]
+    unknown = [n for n in parse_names(text) if n not in known]
+    if unknown or not parse_names(text):
+        raise UsageError(f"--backend {text!r}: not a registered backend (needs {join_or(known)})")
+
+
 def run(args: argparse.Namespace) -> int:
+    """``arnorm demo`` without ``--model``; exit status 0: every layer matched, 1: a mismatch."""
     import torch
 
+    from arnorm._cli import UsageError
     from arnorm.testing import run_ranks
 
-    use_cuda = args.device == "cuda" or (
-        args.device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= args.tp
-    )
-    if args.hidden % args.tp:
-        print(f"arnorm demo: --hidden {args.hidden} must be a multiple of --tp {args.tp}")
-        return 2
-    opts = {
-        "hidden": args.hidden,
-        "tokens": args.tokens,
-        "quant": args.quant,
-        "dtype": args.dtype,
-        "layers": args.layers,
-        "backend": args.backend,
-        "cuda": use_cuda,
-    }
+    values = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in DEFAULTS.items()}
+    if values["hidden"] % args.tp:
+        raise UsageError(f"--hidden {values['hidden']}: not a multiple of --tp {args.tp} (needs H = k * TP)")
+    check_backend_names(args.backend)
+    use_cuda = pick_device(args.device, args.tp) == "cuda"
+    opts = {**values, "dtype": args.dtype, "backend": args.backend, "cuda": use_cuda}
     # NCCL needs one GPU per rank; with fewer GPUs the ranks share them over gloo (CUDA tensors).
     comm = "nccl" if use_cuda and torch.cuda.device_count() >= args.tp else "gloo"
     where = f"{args.tp} rank(s) on {'GPU' if use_cuda else 'CPU'} with {comm}"
     print(
-        f"arnorm demo: {args.layers} layers, T={args.tokens}, H={args.hidden}, {args.dtype}, "
-        f"quant={args.quant}, TP={args.tp} on {where}"
+        f"arnorm demo: {opts['layers']} layers, T={opts['tokens']}, H={opts['hidden']}, {args.dtype}, "
+        f"quant={opts['quant']}, TP={args.tp} on {where}"
     )
     results = run_ranks(args.tp, _rank_main, opts, backend=comm)
     first = results[0]
+    if "selection_error" in first:
+        print(f"arnorm demo: {first['selection_error']}", file=sys.stderr)
+        return 1
     print(first["explain"])
     print("layer  residual max|err|  normed max ulps  normed max|err|  quant max|err|  quant codes differing")
     ok = True

@@ -96,7 +96,8 @@ def _info_for(spec: BackendSpec, plugin: str) -> BackendInfo:
         return BackendInfo(spec.name, "not_installed", reason, spec.priority, None, plugin, spec)
     version = _version(spec.distribution)
     if _too_old(version, spec.min_version):
-        reason = f"version: {spec.distribution} {version} (needs >= {spec.min_version}; {spec.fix_hint()})"
+        upgrade = spec.install_hint or f"pip install -U '{spec.distribution}>={spec.min_version}'"
+        reason = f"version: {spec.distribution} {version} (needs >= {spec.min_version}: {upgrade})"
         return BackendInfo(spec.name, "outdated", reason, spec.priority, version, plugin, spec)
     return BackendInfo(spec.name, "available", "", spec.priority, version, plugin, spec)
 

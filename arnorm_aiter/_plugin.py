@@ -35,7 +35,7 @@ def arnorm_backends() -> list[BackendSpec]:
             # Older 1-stage kernels lack their final cross-rank barrier (ROCm/aiter#4346): an
             # installed aiter below this is reported "outdated", never probed.
             min_version=MIN_VERSION,
-            install_hint="amd-aiter >= 0.1.19.post1 built from ROCm/aiter, see docs/aiter.md",
+            install_hint="a build of ROCm/aiter at v0.1.19.post1 or later, see docs/aiter.md",
             description="ROCm AITER custom all-reduce fused with residual add + RMSNorm (+ per-token fp8)",
         )
     ]

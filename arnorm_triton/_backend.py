@@ -7,36 +7,34 @@ Per call, for this rank's partial ``hidden_states`` ``[T, H]``:
   place, then the kernel. The collective sums in the dtype, in the library's order (NCCL: ring or
   tree), so ``s`` may differ from the reference's fp32 rank-order sum by rounding; the contract
   then holds given that ``s`` (DESIGN.md, "Numerics contract").
-- TP > 1, ``Config.triton_exact``: all-gather the partials into a rank-major ``[W * T, H]`` view
-  of a buffer built at setup, and the kernel sums them in fp32 from rank 0 up with one rounding: bitwise the
-  reference's ``s`` at any TP size. Cost: every rank receives ``(W - 1) * T * H`` elements
-  instead of the ring all-reduce's ``2 * (W - 1) / W * T * H`` (the same at W = 2, W / 2 times
-  more beyond), and the kernel reads ``W`` partials instead of one, so at W >= 4 and large T
-  (bandwidth-bound prefill) it is slower; at decode sizes both are latency-bound and close. The
-  buffer holds ``W * max_tokens * H`` elements per rank.
+- TP > 1, ``ARNORM_TRITON_EXACT=1``: all-gather the partials into a rank-major ``[W * T, H]`` view
+  of a buffer built at setup, and the kernel sums them in fp32 from rank 0 up with one rounding:
+  bitwise the reference's ``s`` at any TP size. Cost: every rank receives ``(W - 1) * T * H``
+  elements instead of the ring all-reduce's ``2 * (W - 1) / W * T * H`` (the same at W = 2,
+  W / 2 times more beyond), and the kernel reads ``W`` partials instead of one, so at W >= 4 and
+  large T (bandwidth-bound prefill) it is slower; at decode sizes both are latency-bound and
+  close. The buffer holds ``W * max_tokens * H`` elements per rank.
 
-A call allocates only its outputs and never synchronizes with the host; the kernel variant and its
-launch parameters are fixed at :meth:`TritonBackend.create`, so the call is CUDA-graph capturable
+Rows may be strided (``[T, H]`` views with unit column stride): the kernel takes row strides. A
+call allocates only its outputs and never synchronizes with the host; the kernel variants and
+their launchers are bound at :meth:`TritonBackend.create`, so the call is CUDA-graph capturable
 (the NCCL collectives are too).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from arnorm.plugin import Output, QuantizedActivation
+from arnorm.plugin import FORMAT_SPECS, Output, QuantizedActivation, round_up
 
 if TYPE_CHECKING:
     import torch
 
-    from arnorm.plugin import Comm, Config, Problem
+    from arnorm.plugin import BackendSettings, Comm, Problem
 
 __all__ = ["TritonBackend"]
-
-_log = logging.getLogger("arnorm.triton")
 
 #: The oldest Triton the ``triton`` extra allows; the kernel is compile-checked with 3.6 and 3.8.
 MIN_TRITON = (3, 2)
@@ -54,33 +52,45 @@ def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _pdl_available(problem: Problem) -> bool:
+    """Programmatic dependent launch: CUDA SM 9.0+, compiled kernels, Triton with ``gdc_wait``."""
+    from arnorm_triton._kernels import INTERPRETED
+
+    if INTERPRETED or problem.platform != "cuda" or (problem.arch or (0, 0)) < (9, 0):
+        return False
+    try:
+        import triton.language as tl
+
+        return hasattr(tl.extra.cuda, "gdc_wait")
+    except Exception:
+        return False
+
+
 class TritonBackend:
     """The ``triton`` backend: any TP size, CUDA / ROCm (and CPU through the Triton interpreter).
 
     Outputs per call: the new residual (``hidden_states`` itself when ``problem.inplace``), the
-    normed activation when ``problem.normed_output``, and the quantized activation exactly as
-    :func:`arnorm.quant.quantize` lays it out (fp8 codes ``float8_e4m3fn [T, H]``; nvfp4 ``uint8
-    [T, H/2]`` with ``float8_e4m3fn`` block scales; mxfp8 ``uint8`` E8M0 scales; swizzled scales
-    ``[round_up(T, 128), round_up(K, 4)]`` with zero padding).
+    normed activation when ``problem.normed_output``, and the quantized activation laid out as
+    :data:`arnorm.plugin.FORMAT_SPECS` says (as :func:`arnorm.quant.quantize` returns it).
     """
 
     name: ClassVar[str] = "triton"
 
-    def __init__(self, problem: Problem, comm: Comm, config: Config) -> None:
+    def __init__(self, problem: Problem, comm: Comm, exact: bool, pdl: bool) -> None:
         import torch
 
-        from arnorm_triton._kernels import INTERPRETED, FusedLauncher
+        from arnorm_triton._kernels import INTERPRETED
+        from arnorm_triton._launch import FusedLauncher
 
         self._problem = problem
         self._comm = comm
         self._device = comm.device
         self._dtype = getattr(torch, problem.dtype)
         self._world = comm.world_size
-        self._exact = bool(config.triton_exact) and self._world > 1
+        self._exact = exact and self._world > 1
         self._inplace = problem.inplace
         self._normed = problem.normed_output
         self._quant = problem.quant
-        self._layout = problem.scale_layout
         self._hidden = h = problem.hidden_size
         self._max_tokens = problem.max_tokens
         soft = INTERPRETED
@@ -89,35 +99,58 @@ class TritonBackend:
         soft_fp8 = soft or problem.platform != "cuda" or (problem.arch or (0, 0)) < (8, 9)
         self._launcher = FusedLauncher(
             hidden=h,
+            itemsize=torch.empty((), dtype=self._dtype).element_size(),
             quant=problem.quant,
             layout=problem.scale_layout,
             write_normed=problem.normed_output,
             num_partials=self._world if self._exact else 1,
             eps=problem.eps,
             weight_offset=problem.weight_offset,
+            round_before_weight=problem.round_before_weight,
             soft=soft,
             soft_fp8=soft_fp8,
+            pdl=pdl,
+            arch=problem.arch if problem.platform == "cuda" else None,
         )
         self._gather: torch.Tensor | None = None
         if self._exact:
             # One flat buffer: any T's [W * T, H] view of its head is contiguous, as the gather needs.
             numel = self._world * problem.max_tokens * h
             self._gather = torch.empty(numel, dtype=self._dtype, device=self._device)
-        self._u8 = torch.uint8
-        self._f32 = torch.float32
-        self._fp8 = torch.float8_e4m3fn
-        self._block = {"nvfp4": 16, "mxfp8": 32}.get(problem.quant or "", 0)
-        self._swizzled = self._launcher.swizzled
+        # The output plan, from the format table, resolved once.
+        spec = FORMAT_SPECS[problem.quant] if problem.quant is not None else None
+        self._spec = spec
+        self._layout = None
+        self._data_dtype = self._scale_dtype = None
+        self._data_cols = self._scale_cols = 0
+        if spec is not None:
+            self._data_dtype = getattr(torch, spec.data_dtype)
+            self._data_cols = h // spec.elements_per_byte
+            if spec.scale_dtype is not None:
+                self._scale_dtype = getattr(torch, spec.scale_dtype)
+            if spec.block_size:
+                self._layout = problem.scale_layout or spec.default_layout
+                self._scale_cols = h // spec.block_size
+                if self._layout == "swizzled_128x4":
+                    self._scale_cols = round_up(self._scale_cols, 4)
+        self._swizzled = self._layout == "swizzled_128x4"
+        #: 0 none, 1 fp8_static, 2 fp8_per_token (scales [T, 1]), 3 block scales, 4 the same with
+        #: the caller's scale as global encode scale (nvfp4).
+        self._kind = 0
+        if spec is not None:
+            self._kind = (
+                1 if spec.scale_dtype is None else 2 if not spec.block_size else 4 if spec.takes_scale else 3
+            )
+        if self._kind == 2:
+            self._scale_cols = 1
         self.fast_launch = False
 
     # -- selection --------------------------------------------------------------------------
 
     @classmethod
     def probe(cls, problem: Problem) -> tuple[str, ...]:
-        """What the declared capabilities cannot say: Triton present and new enough, a usable
-        target (a GPU, or the interpreter for CPU tensors), the single-pass width limit."""
-        from arnorm_triton._plugin import MAX_HIDDEN
-
+        """What the declared capabilities cannot say: Triton present and new enough, and a usable
+        target (a GPU, or the interpreter for CPU tensors)."""
         if importlib.util.find_spec("triton") is None:
             return ("triton: not importable (needs pip install 'arnorm[triton]')",)
         try:
@@ -138,44 +171,48 @@ class TritonBackend:
                     "triton interpreter: off when arnorm_triton._kernels was imported "
                     "(needs TRITON_INTERPRET=1 before the first import)"
                 )
-        h = problem.hidden_size
-        if h > MAX_HIDDEN:
-            reasons.append(f"hidden size: {h} (needs <= {MAX_HIDDEN})")
-        if problem.quant == "nvfp4" and h % 16:
-            reasons.append(f"hidden size: {h} (needs a multiple of 16 for nvfp4)")
-        if problem.quant == "mxfp8" and h % 32:
-            reasons.append(f"hidden size: {h} (needs a multiple of 32 for mxfp8)")
         return tuple(reasons)
 
     @classmethod
-    def create(cls, problem: Problem, comm: Comm, config: Config) -> TritonBackend:
-        """Bind the kernel variant, allocate the exact-mode gather buffer, compile and warm up.
+    def create(cls, problem: Problem, comm: Comm, settings: BackendSettings) -> TritonBackend:
+        """Bind the kernel variants, allocate the exact-mode gather buffer, compile and warm up.
 
-        Collective only in that every rank calls it; no collective runs here (the warm-up launch
-        is local), so a rank cannot hang on another's compile.
+        Collective only in that every rank calls it; no collective runs here (the warm-up launches
+        are local), so a rank cannot hang on another's compile. ``settings`` is a
+        :class:`arnorm_triton._plugin.TritonSettings`.
         """
-        self = cls(problem, comm, config)
+        exact = bool(getattr(settings, "exact", False))
+        pdl = bool(getattr(settings, "pdl", True)) and _pdl_available(problem)
+        self = cls(problem, comm, exact, pdl)
         if self._device.type != "cpu":
             self.fast_launch = self._warm_up()
+            if not self.fast_launch and pdl:
+                # A Triton without launch_pdl support, or a driver that refuses it: launch plainly.
+                self = cls(problem, comm, exact, False)
+                self.fast_launch = self._warm_up()
         return self
 
     def _warm_up(self) -> bool:
-        """Compile the variant on dummy rows (the first launch's JIT cost stays out of the step)
-        and switch to the direct C launcher when it reproduces ``kernel[grid]`` bit for bit."""
+        """Compile every launch configuration this op uses on dummy rows (the JIT cost stays out of
+        the step) and bind the direct launcher where it reproduces ``kernel[grid]`` bit for bit."""
         import torch
 
         t, h = 3, self._hidden
         g = torch.Generator(device=self._device).manual_seed(0)
-        x = torch.randn((self._launcher.constexprs["NUM_PARTIALS"], t, h), generator=g, device=self._device)
-        x = x.to(self._dtype)
+        parts = self._launcher.constexprs["NUM_PARTIALS"]
+        x = torch.randn((parts, t, h), generator=g, device=self._device).to(self._dtype)
         res = torch.randn((t, h), generator=g, device=self._device).to(self._dtype)
         w = torch.randn((h,), generator=g, device=self._device).to(self._dtype)
-        scale = torch.tensor([0.5], dtype=self._f32, device=self._device)
+        scale = torch.tensor([0.5], dtype=torch.float32, device=self._device)
         h_out = torch.empty((t, h), dtype=self._dtype, device=self._device)
-        y, q, sf, _ = self._alloc(t, h_out)
-        ptrs = self._ptrs(x, res, w, scale, h_out, y, q, sf)
-        outputs = tuple(o for o in (h_out, y, q, sf) if o is not None)
-        return self._launcher.enable_fast_path(ptrs, outputs, t)
+        y, q, sf = self._alloc(t)
+        tensors = (x, res, w, scale, h_out, y, q, sf)
+        outputs = [o for o in (h_out, y, q, sf) if o is not None]
+        configs = self._launcher.configs(self._max_tokens)
+        try:
+            return self._launcher.bind(tensors, outputs, t, (h, h, h), configs)
+        except Exception:
+            return False
 
     def check_tokens(self, num_tokens: int) -> tuple[str, ...]:
         if self._exact and num_tokens > self._max_tokens:
@@ -184,54 +221,21 @@ class TritonBackend:
 
     # -- the call ---------------------------------------------------------------------------
 
-    def _alloc(
-        self, t: int, h_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """This call's outputs besides the residual: normed, codes (bytes), scales (bytes or fp32),
-        and the scale tensor as returned (fp8 views of the byte buffers where the format says so)."""
+    def _alloc(self, t: int) -> tuple[Any, Any, Any]:
+        """This call's outputs besides the residual: normed, codes, and the scales it computes
+        (``None`` where the variant has none), shaped and typed by the format table."""
         import torch
 
-        dev, hidden = self._device, self._hidden
-        y = torch.empty((t, hidden), dtype=self._dtype, device=dev) if self._normed else None
-        quant = self._quant
-        if quant is None:
-            return y, None, None, None
-        if quant == "nvfp4":
-            q = torch.empty((t, hidden // 2), dtype=self._u8, device=dev)
-        else:
-            q = torch.empty((t, hidden), dtype=self._u8, device=dev)
-        if quant == "fp8_static":
-            return y, q, None, None
-        if quant == "fp8_per_token":
-            sf = torch.empty((t, 1), dtype=self._f32, device=dev)
-            return y, q, sf, sf
-        k = hidden // self._block
-        shape = ((t + 127) // 128 * 128, (k + 3) // 4 * 4) if self._swizzled else (t, k)
-        sf = torch.empty(shape, dtype=self._u8, device=dev)
-        return y, q, sf, sf.view(self._fp8) if quant == "nvfp4" else sf
-
-    @staticmethod
-    def _ptrs(
-        x: torch.Tensor,
-        res: torch.Tensor,
-        w: torch.Tensor,
-        scale: torch.Tensor | None,
-        h_out: torch.Tensor,
-        y: torch.Tensor | None,
-        q: torch.Tensor | None,
-        sf: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, ...]:
-        """The kernel's pointer arguments; absent ones get ``h_out`` (never dereferenced)."""
-        return (
-            x,
-            res,
-            w,
-            h_out if scale is None else scale,
-            h_out,
-            h_out if y is None else y,
-            h_out if q is None else q,
-            h_out if sf is None else sf,
-        )
+        dev = self._device
+        y = torch.empty((t, self._hidden), dtype=self._dtype, device=dev) if self._normed else None
+        kind = self._kind
+        if kind == 0:
+            return y, None, None
+        q = torch.empty((t, self._data_cols), dtype=self._data_dtype, device=dev)
+        if kind == 1:  # fp8_static: the caller's scale is the dequant scale
+            return y, q, None
+        rows = round_up(t, 128) if self._swizzled else t
+        return y, q, torch.empty((rows, self._scale_cols), dtype=self._scale_dtype, device=dev)
 
     def __call__(
         self,
@@ -241,42 +245,50 @@ class TritonBackend:
         scale: torch.Tensor | None,
     ) -> Output:
         t = hidden_states.shape[0]
+        hidden = self._hidden
+        # Row strides; a single row's stride is never used (and may be anything): pass H.
+        xs = hs = hidden_states.stride(0) if t > 1 else hidden
+        rs = residual.stride(0) if t > 1 else hidden
         if self._world == 1:
             x = hidden_states
-            h_out = hidden_states if self._inplace else hidden_states.new_empty(hidden_states.shape)
+            if self._inplace:
+                h_out = hidden_states
+            else:
+                h_out = hidden_states.new_empty((t, hidden))
+                hs = hidden
         elif self._exact:
             assert self._gather is not None
             # [W * T, H], rank-major: gloo's all_gather_single wants the concatenation, not a stacked
             # [W, T, H] (NCCL takes both); the kernel reads rank r's rows at r * T * H either way.
-            x = self._gather[: self._world * t * self._hidden].view(self._world * t, self._hidden)
+            x = self._gather[: self._world * t * hidden].view(self._world * t, hidden)
             self._comm.all_gather_into(x, hidden_states)
-            h_out = hidden_states if self._inplace else hidden_states.new_empty(hidden_states.shape)
-        elif self._inplace:
+            xs = hidden
+            if self._inplace:
+                h_out = hidden_states
+            else:
+                h_out = hidden_states.new_empty((t, hidden))
+                hs = hidden
+        elif self._inplace and (t == 1 or xs == hidden):
             x = h_out = self._comm.all_reduce_(hidden_states)
         else:
-            # Reduce into the residual output so the caller's partial stays untouched: the
-            # kernel then reads s and writes h in the same buffer, element by element.
-            x = h_out = hidden_states.new_empty(hidden_states.shape).copy_(hidden_states)
-            self._comm.all_reduce_(h_out)
-        y, q, sf, sf_out = self._alloc(t, h_out)
-        self._launcher.launch(*self._ptrs(x, residual, weight, scale, h_out, y, q, sf), n_rows=t)
-        return Output(y, h_out, self._quantized(q, sf_out, scale))
-
-    def _quantized(
-        self, q: torch.Tensor | None, sf: torch.Tensor | None, scale: torch.Tensor | None
-    ) -> QuantizedActivation | None:
-        quant = self._quant
-        if quant is None or q is None:
-            return None
-        if quant == "fp8_static":
-            assert scale is not None
-            return QuantizedActivation(q.view(self._fp8), scale, quant)
-        assert sf is not None
-        if quant == "fp8_per_token":
-            return QuantizedActivation(q.view(self._fp8), sf, quant)
-        if quant == "nvfp4":
-            return QuantizedActivation(q, sf, quant, self._layout, scale)
-        return QuantizedActivation(q.view(self._fp8), sf, quant, self._layout)
+            # Reduce a contiguous copy (collectives take contiguous tensors, and the caller's
+            # partial stays untouched when not in place); the kernel reads s from it and writes
+            # h to hidden_states (in place) or into the copy itself, element by element.
+            x = self._comm.all_reduce_(hidden_states.new_empty((t, hidden)).copy_(hidden_states))
+            h_out = hidden_states if self._inplace else x
+            xs = hidden
+            hs = hs if self._inplace else hidden
+        y, q, sf = self._alloc(t)
+        self._launcher.launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs)
+        kind = self._kind
+        if kind == 0:
+            return Output(y, h_out, None)
+        if kind == 1:
+            return Output(y, h_out, QuantizedActivation(q, scale, "fp8_static"))  # type: ignore[arg-type]
+        if kind == 2:
+            return Output(y, h_out, QuantizedActivation(q, sf, "fp8_per_token"))
+        gs = scale if kind == 4 else None  # nvfp4 keeps the caller's global encode scale
+        return Output(y, h_out, QuantizedActivation(q, sf, self._quant, self._layout, gs))  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Drop the gather buffer (idempotent; nothing else is held)."""
@@ -286,7 +298,7 @@ class TritonBackend:
 
     @property
     def launcher(self) -> Any:
-        """The bound :class:`arnorm_triton._kernels.FusedLauncher`."""
+        """The bound :class:`arnorm_triton._launch.FusedLauncher`."""
         return self._launcher
 
     @property

@@ -1,20 +1,25 @@
-"""The fused kernel: (rank-order sum) + residual add + RMSNorm + quantization, one row per program.
+"""The Triton kernels: one shared norm/quant epilogue, and the fused kernel of the ``triton`` backend.
 
 Per row ``t`` (``H`` = hidden size, ``D`` = the dtype, ``W`` = ``NUM_PARTIALS``; DESIGN.md,
 "Numerics contract")::
 
     s   = D(sum_{r<W} fp32(x[r, t]))              # W = 1: x is the already all-reduced sum
     h   = D(fp32(s) + fp32(res[t]))               -> h_ptr (the new residual)
-    y   = D(fp32(h) * (1 / sqrt_rn(sum(fp32(h)**2) / H + eps)) * (fp32(w) + weight_offset))
+    n   = fp32(h) * (1 / sqrt_rn(sum(fp32(h)**2) / H + eps))
+    y   = D(n * (fp32(w) + weight_offset))        (ROUND_BEFORE_WEIGHT: D(fp32(D(n)) * (...)))
                                                   -> y_ptr (when WRITE_NORMED)
     q   = Q(fp32(y))                              -> q_ptr (codes, uint8), sf_ptr (scales)
 
+Steps 2-4 are :func:`norm_quant_epilogue`, the one code path every arnorm Triton kernel ends with
+(``triton``'s :func:`fused_add_rmsnorm_quant_kernel` after loading or summing ``s``; ``triton_symm``
+after summing the peers' partials from symmetric memory).
+
 Every division and the square root are IEEE round-to-nearest (``tl.div_rn``, ``tl.sqrt_rn``):
 Triton's ``/`` lowers to ``div.full.f32`` (about 2 ulp) on NVIDIA GPUs, which would break the
-bit-exact quantizer contract. The row lives in registers as ``[BLOCK // GROUP, GROUP]``: one
-block of ``GROUP`` elements per quantization block (16 for nvfp4, 32 for mxfp8, 16 otherwise), so
-block amaxes are row reductions with no reshape. ``BLOCK = max(next_pow2(H), 4 * GROUP)``; lanes
-at or beyond ``H`` are masked and load as zero.
+bit-exact quantizer contract. The row lives in registers as ``[BLOCK // GROUP, GROUP]``
+(:func:`row_offsets`): one block of ``GROUP`` elements per quantization block (16 for nvfp4, 32
+for mxfp8, 16 otherwise), so block amaxes are row reductions with no reshape.
+``BLOCK = max(next_pow2(H), 4 * GROUP)``; lanes at or beyond ``H`` are masked and load as zero.
 
 Quantized outputs (``QUANT``: 0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4, 4 mxfp8), all
 stored as bytes so the kernel never needs an fp8 pointer type:
@@ -23,16 +28,13 @@ stored as bytes so the kernel never needs an fp8 pointer type:
 - nvfp4: e2m1 pairs ``[T, H/2]``, low nibble first; e4m3 block scales.
 - nvfp4 / mxfp8 block scales: ``linear`` ``[T, K]`` or ``swizzled_128x4``
   ``[round_up(T, 128), round_up(K, 4)]`` (K = H / GROUP). In the swizzled layout each row program
-  also writes its padding columns, and up to 4 extra programs zero the padding rows (``>= T``), so
-  the output needs no memset.
+  also writes its padding columns, and extra programs (:func:`zero_padding_rows`) zero the padding
+  rows (``>= T``), so the output needs no memset.
 """
 
 from __future__ import annotations
 
-import logging
 import struct
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import triton
 import triton.language as tl
@@ -48,26 +50,35 @@ from arnorm_triton._casts import (
     ue8m0_round_up,
     ue8m0_to_inv_scale,
 )
-from arnorm_triton._plugin import MAX_HIDDEN
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "INTERPRETED",
-    "MAX_HIDDEN",
+    "PAD_ROWS_PER_PROGRAM",
     "QUANT_CODES",
-    "FusedLauncher",
-    "default_num_warps",
     "fused_add_rmsnorm_quant_kernel",
+    "norm_quant_epilogue",
+    "padding_programs",
+    "row_offsets",
+    "row_shape",
+    "zero_padding_rows",
 ]
-
-_log = logging.getLogger("arnorm.triton")
 
 #: Swizzled scale padding rows zeroed per extra program.
 PAD_ROWS_PER_PROGRAM = tl.constexpr(32)
-#: Quant format -> the kernel's ``QUANT`` constexpr.
+#: Quant format -> the kernels' ``QUANT`` constexpr.
 QUANT_CODES: dict[str | None, int] = {None: 0, "fp8_static": 1, "fp8_per_token": 2, "nvfp4": 3, "mxfp8": 4}
+
+
+def row_shape(hidden: int, quant: str | None, itemsize: int) -> tuple[int, int, int]:
+    """``(BLOCK, GROUP, VEC)`` constexprs for a row of ``hidden`` elements of ``itemsize`` bytes
+    quantized as ``quant``: VEC elements are one 16-byte access."""
+    group = 32 if quant == "mxfp8" else 16
+    return max(triton.next_power_of_2(hidden), 4 * group), group, 16 // itemsize
+
+
+def padding_programs(n_rows: int) -> int:
+    """Extra programs that zero the swizzled padding rows ``[T, round_up(T, 128))``, 32 rows each."""
+    return ((n_rows + 127) // 128 * 128 - n_rows + 31) // 32
 
 
 def _f32(bits: int) -> float:
@@ -79,6 +90,27 @@ def _f32(bits: int) -> float:
 _INV_E2M1_MAX = tl.constexpr(_f32(0x3E2AAAAB))
 _INV_E4M3_MAX = tl.constexpr(_f32(0x3B124925))
 _MIN_TOKEN_SCALE = tl.constexpr(_f32(0x36924925))
+
+
+@triton.jit
+def row_offsets(HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr):
+    """``(offs, mask)``: element offsets ``[BLOCK // GROUP, GROUP // VEC, VEC]`` within one row
+    (row-major: ``offs[b, j, v] = b * GROUP + j * VEC + v``) and ``offs < HIDDEN``; the epilogue
+    expects ``s`` in this shape.
+
+    Why three axes: Triton picks each memory access's register layout from the contiguity it can
+    prove, and stores are limited to 16 bytes per thread. A ``[.., GROUP]`` tile lets 16 contiguous
+    elements per thread be loaded but only 8 bf16 be stored, and every mismatch costs a layout
+    conversion through shared memory (with barriers) per row. With contiguity VEC (16 bytes) on
+    the last axis, every load and store of the row shares one layout; a quantization block's
+    amax is then a reduction over the last two axes (in-thread, then a warp shuffle).
+    """
+    offs = (
+        tl.arange(0, BLOCK // GROUP)[:, None, None] * GROUP
+        + tl.arange(0, GROUP // VEC)[None, :, None] * VEC
+        + tl.arange(0, VEC)[None, None, :]
+    )
+    return offs, offs < HIDDEN
 
 
 @triton.jit
@@ -108,8 +140,12 @@ def _store_block_scales(sf_ptr, vals, row, blk, K: tl.constexpr, SWIZZLED: tl.co
 
 
 @triton.jit
-def _zero_padding_rows(sf_ptr, pad_program, n_rows, NB: tl.constexpr, K: tl.constexpr):
-    """Zero the swizzled scale rows [T + 32 p, T + 32 p + 32) that lie below round_up(T, 128)."""
+def zero_padding_rows(sf_ptr, pad_program, n_rows, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                      GROUP: tl.constexpr):  # fmt: skip
+    """Zero the swizzled scale rows ``[T + 32 p, T + 32 p + 32)`` below ``round_up(T, 128)``
+    (``p = pad_program``; :func:`padding_programs` of them cover every padding row)."""
+    NB: tl.constexpr = BLOCK // GROUP
+    K: tl.constexpr = HIDDEN // GROUP
     KP: tl.constexpr = (K + 3) // 4 * 4
     rows = n_rows + pad_program * PAD_ROWS_PER_PROGRAM + tl.arange(0, PAD_ROWS_PER_PROGRAM)[:, None]
     blk = tl.arange(0, NB)[None, :]
@@ -120,65 +156,101 @@ def _zero_padding_rows(sf_ptr, pad_program, n_rows, NB: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _fused_row(
-    x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, row, n_rows, eps, weight_offset,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, NUM_PARTIALS: tl.constexpr,
-    QUANT: tl.constexpr, SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr,
+def norm_quant_epilogue(
+    s, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
+    SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
     SOFT: tl.constexpr, SOFT_FP8: tl.constexpr,
 ):  # fmt: skip
-    """Steps 1-4 for data row ``row`` (see the module docstring)."""
+    """Steps 2-4 of the contract for one row, from its reduced sum ``s``; writes every output.
+
+    Args:
+        s: fp32 ``[BLOCK // GROUP, GROUP // VEC, VEC]`` in :func:`row_offsets` order: the reduced
+            row, already rounded to the dtype ``D`` (``fp32(D(sum))``); lanes ``>= HIDDEN`` are
+            ignored.
+        row: the row index ``t`` (int32 or int64 scalar), ``0 <= t < T``.
+        res_ptr, res_stride: residual input ``[T, H]`` in ``D``; row ``t`` starts at
+            ``res_ptr + t * res_stride`` (unit column stride).
+        h_ptr, h_stride: new residual output ``h = D(s + res)`` in ``D``, row ``t`` at
+            ``h_ptr + t * h_stride``. ``D`` is taken from ``h_ptr``'s element type. May be the
+            buffer ``s`` was read from (each element is read before it is written).
+        w_ptr: norm weight ``[H]`` in ``D``. ``weight_offset``: fp32, added to it (1 for Gemma).
+        scale_ptr: fp32 ``[1]``: fp8_static dequant scale / nvfp4 global encode scale (read only
+            for those formats; any pointer otherwise).
+        y_ptr: normed output, contiguous ``[T, H]`` in ``D``; written when ``WRITE_NORMED``.
+        q_ptr: uint8 codes, contiguous: ``[T, H]`` (fp8, mxfp8) or ``[T, H / 2]`` (nvfp4, low
+            nibble first); untouched when ``QUANT == 0``.
+        sf_ptr: scales: fp32 ``[T]`` (fp8_per_token); uint8 block scales ``[T, H / GROUP]``
+            (linear) or the swizzled 128x4 layout (``SWIZZLED``: this row's padding columns are
+            written as 0; padding *rows* are :func:`zero_padding_rows`' job). Untouched otherwise.
+        eps: fp32 epsilon.
+        HIDDEN, BLOCK, GROUP, VEC: as :func:`row_shape` / :func:`row_offsets`.
+        QUANT: 0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4, 4 mxfp8 (:data:`QUANT_CODES`).
+        ROUND_BEFORE_WEIGHT: round ``x * rsqrt(...)`` to ``D`` before the weight multiply.
+        SOFT, SOFT_FP8: integer-bit bf16 / e4m3 rounding (:mod:`arnorm_triton._casts`).
+
+    Writes exactly: ``h`` row ``t``; ``y`` row ``t`` (WRITE_NORMED); codes row ``t`` and this row's
+    scales (QUANT > 0). Reads ``res``, ``w``, ``scale`` and nothing else; no barrier beyond the
+    row reductions, so it may run for several rows per program. Callers using programmatic
+    dependent launch must have waited (``gdc_wait``) before calling it.
+    """
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     NB: tl.constexpr = BLOCK // GROUP
     blk = tl.arange(0, NB)
-    offs = blk[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = offs < HIDDEN
-    base = row.to(tl.int64) * HIDDEN
+    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
+    row64 = row.to(tl.int64)
 
-    # Step 1: s. Exact mode sums the gathered partials in fp32 from rank 0 up, one rounding to D.
-    acc = to_fp32(tl.load(x_ptr + base + offs, mask=mask, other=0.0), SOFT)
-    if NUM_PARTIALS > 1:
-        stride = n_rows.to(tl.int64) * HIDDEN
-        for r in tl.static_range(1, NUM_PARTIALS):
-            acc = acc + to_fp32(tl.load(x_ptr + r * stride + base + offs, mask=mask, other=0.0), SOFT)
-        acc = to_fp32(to_dtype_rne(acc, DTYPE, SOFT), SOFT)
+    # Every load first: the weight and the scale leave the critical path of the reductions.
+    res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
+    w = to_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0), SOFT) + weight_offset
+    if QUANT == 1 or QUANT == 3:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = 1.0
 
     # Step 2: h = D(s + res), rounded before the statistic (the contract's order).
-    h = to_dtype_rne(acc + to_fp32(tl.load(res_ptr + base + offs, mask=mask, other=0.0), SOFT), DTYPE, SOFT)
-    tl.store(h_ptr + base + offs, h, mask=mask)
+    h = to_dtype_rne(s + to_fp32(res, SOFT), DTYPE, SOFT)
+    tl.store(h_ptr + row64 * h_stride + offs, h, mask=mask)
     hf = to_fp32(h, SOFT)
 
     # Step 3: y, with a correctly rounded mean, square root and reciprocal.
-    mean_sq = tl.div_rn(tl.sum(tl.sum(hf * hf, axis=1), axis=0), HIDDEN * 1.0)
+    mean_sq = tl.div_rn(tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=1), axis=0), HIDDEN * 1.0)
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
-    w = to_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0), SOFT)
-    y = to_dtype_rne((hf * inv_rms) * (w + weight_offset), DTYPE, SOFT)
+    n = hf * inv_rms
+    if ROUND_BEFORE_WEIGHT:
+        n = to_fp32(to_dtype_rne(n, DTYPE, SOFT), SOFT)
+    y = to_dtype_rne(n * w, DTYPE, SOFT)
+    base = row64 * HIDDEN
     if WRITE_NORMED:
         tl.store(y_ptr + base + offs, y, mask=mask)
     yf = to_fp32(y, SOFT)
 
     # Step 4: the quantizer reads the D-rounded y; amaxes propagate NaN as torch's amax does.
     if QUANT == 1:  # fp8_static: satfinite_rn(y * fp32(1 / scale))
-        inv_scale = tl.div_rn(1.0, tl.load(scale_ptr))
-        tl.store(q_ptr + base + offs, e4m3_bits(yf * inv_scale, SOFT_FP8), mask=mask)
+        tl.store(q_ptr + base + offs, e4m3_bits(yf * tl.div_rn(1.0, scale), SOFT_FP8), mask=mask)
     elif QUANT == 2:  # fp8_per_token: scale_t = max(amax_t / 448, 1 / (448 * 512)), q = y / scale_t
-        amax = abs_max(abs_max(yf, 1), 0)
+        amax = abs_max(abs_max(abs_max(yf, 2), 1), 0)
         tok_scale = tl.maximum(tl.div_rn(amax, E4M3_MAX), _MIN_TOKEN_SCALE, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + base + offs, e4m3_bits(tl.div_rn(yf, tok_scale), SOFT_FP8), mask=mask)
-        tl.store(sf_ptr + row, tok_scale)
+        tl.store(sf_ptr + row64, tok_scale)
     elif QUANT == 3:  # nvfp4: SF = e4m3(gs * (amax16 * fp32(1/6))), q = e2m1(y * (gs / SF))
-        gs = tl.load(scale_ptr)
-        sf_code = e4m3_bits(gs * (abs_max(yf, 1) * _INV_E2M1_MAX), SOFT_FP8)
+        sf_code = e4m3_bits(scale * (abs_max(abs_max(yf, 2), 1) * _INV_E2M1_MAX), SOFT_FP8)
         sf = e4m3_decode(sf_code)
-        enc = tl.where(sf == 0.0, 0.0, tl.div_rn(gs, tl.where(sf == 0.0, 1.0, sf)))
-        lo, hi = tl.split(tl.reshape(e2m1_code(yf * enc[:, None]), [NB, GROUP // 2, 2]))
-        poffs = blk[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
-        pbase = row.to(tl.int64) * (HIDDEN // 2)
-        tl.store(q_ptr + pbase + poffs, lo | (hi << 4), mask=poffs < HIDDEN // 2)
-        _store_block_scales(sf_ptr, sf_code, row, blk, HIDDEN // GROUP, SWIZZLED)
+        enc = tl.where(sf == 0.0, 0.0, tl.div_rn(scale, tl.where(sf == 0.0, 1.0, sf)))
+        codes = tl.reshape(e2m1_code(yf * enc[:, None, None]), [NB, GROUP // VEC, VEC // 2, 2])
+        lo, hi = tl.split(codes)
+        poffs = (
+            blk[:, None, None] * (GROUP // 2)
+            + tl.arange(0, GROUP // VEC)[None, :, None] * (VEC // 2)
+            + tl.arange(0, VEC // 2)[None, None, :]
+        )
+        tl.store(q_ptr + row64 * (HIDDEN // 2) + poffs, lo | (hi << 4), mask=poffs < HIDDEN // 2)
+        _store_block_scales(sf_ptr, sf_code, row64, blk, HIDDEN // GROUP, SWIZZLED)
     elif QUANT == 4:  # mxfp8: e = ue8m0_round_up(amax32 * fp32(1/448)), q = e4m3(y * 2**(127 - e))
-        e = ue8m0_round_up(abs_max(yf, 1) * _INV_E4M3_MAX)
-        tl.store(q_ptr + base + offs, e4m3_bits(yf * ue8m0_to_inv_scale(e)[:, None], SOFT_FP8), mask=mask)
-        _store_block_scales(sf_ptr, e, row, blk, HIDDEN // GROUP, SWIZZLED)
+        e = ue8m0_round_up(abs_max(abs_max(yf, 2), 1) * _INV_E4M3_MAX)
+        q = e4m3_bits(yf * ue8m0_to_inv_scale(e)[:, None, None], SOFT_FP8)
+        tl.store(q_ptr + base + offs, q, mask=mask)
+        _store_block_scales(sf_ptr, e, row64, blk, HIDDEN // GROUP, SWIZZLED)
 
 
 @triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["scale_ptr"])
@@ -191,188 +263,53 @@ def fused_add_rmsnorm_quant_kernel(
     y_ptr,  # [T, H] normed out, D (any pointer unless WRITE_NORMED)
     q_ptr,  # uint8 codes (any pointer when QUANT == 0)
     sf_ptr,  # scales out: fp32 [T] per token; uint8 block scales (any pointer otherwise)
-    n_rows,  # T: rows with data; the swizzled grid has round_up(T, 128) programs
+    n_rows,  # T: rows with data; the swizzled grid has padding_programs(T) more programs
+    x_stride,  # row stride of x (W > 1: H, the partials are contiguous [W, T, H])
+    res_stride,  # row stride of res
+    h_stride,  # row stride of h
     eps,  # fp32
     weight_offset,  # fp32: 0 plain, 1 Gemma
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
+    VEC: tl.constexpr,  # elements per 16-byte access of D
     NUM_PARTIALS: tl.constexpr,
     QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr,
     WRITE_NORMED: tl.constexpr,
+    ROUND_BEFORE_WEIGHT: tl.constexpr,
     SOFT: tl.constexpr,  # integer-bit bf16 rounding (the interpreter)
     SOFT_FP8: tl.constexpr,  # integer-bit e4m3 rounding (interpreter, pre-SM89, ROCm)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (SM 9.0+, launched with launch_pdl)
 ):
-    """One program per row; with swizzled block scales, ``ceil((round_up(T, 128) - T) / 32)`` more
-    programs zero the padding rows of the last 128-row tile, 32 rows each."""
+    """One program per row; with swizzled block scales, :func:`padding_programs` more programs
+    zero the padding rows of the last 128-row tile, 32 rows each.
+
+    With ``USE_PDL`` the program waits for the preceding grid (``griddepcontrol.wait``) before
+    its first load, and lets the next grid launch only after every store of this program.
+    """
     row = tl.program_id(0)
-    if SWIZZLED:
-        if row < n_rows:
-            _fused_row(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, row, n_rows, eps,
-                       weight_offset, HIDDEN, BLOCK, GROUP, NUM_PARTIALS, QUANT, SWIZZLED, WRITE_NORMED, SOFT,
-                       SOFT_FP8)  # fmt: skip
-        else:
-            _zero_padding_rows(sf_ptr, row - n_rows, n_rows, BLOCK // GROUP, HIDDEN // GROUP)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    if row < n_rows:
+        offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
+        row64 = row.to(tl.int64)
+        # Step 1: s. Exact mode sums the gathered partials in fp32 from rank 0 up, one rounding to D.
+        acc = to_fp32(tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0), SOFT)
+        if NUM_PARTIALS > 1:
+            partial = n_rows.to(tl.int64) * x_stride
+            for r in tl.static_range(1, NUM_PARTIALS):
+                x = tl.load(x_ptr + r * partial + row64 * x_stride + offs, mask=mask, other=0.0)
+                acc = acc + to_fp32(x, SOFT)
+            acc = to_fp32(to_dtype_rne(acc, h_ptr.dtype.element_ty, SOFT), SOFT)
+        norm_quant_epilogue(acc, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr,
+                            sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
+                            WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
     else:
-        _fused_row(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, row, n_rows, eps,
-                   weight_offset, HIDDEN, BLOCK, GROUP, NUM_PARTIALS, QUANT, SWIZZLED, WRITE_NORMED, SOFT,
-                   SOFT_FP8)  # fmt: skip
-
-
-def default_num_warps(block: int) -> int:
-    """Warps per row program: 8 to 16 elements per thread (4 warps up to 1024 lanes, 8 up to 4096,
-    16 at 8192, 32 at 16384). ptxas (SM 90) then needs 26-49 registers per thread for every format,
-    with no spills, which keeps 32 or more warps resident per SM for the loads in flight.
-
-    Fixed by the hidden size only, never tuned per rank: the warp count changes the order of the
-    sum of squares, and TP ranks must produce identical normed values.
-    """
-    if block >= 16384:
-        return 32
-    if block >= 8192:
-        return 16
-    if block >= 2048:
-        return 8
-    return 4
-
-
-class FusedLauncher:
-    """Launches of the fused kernel for one op, with every constexpr and launch parameter bound once.
-
-    ``launch(x, res, w, scale, h, y, q, sf, n_rows)`` takes the pointers in the kernel's order;
-    unused pointers must still be tensors (pass any, e.g. ``h``) so the signature is stable.
-
-    Launch overhead: ``kernel[grid](...)`` re-binds and re-specializes every argument in Python
-    (tens of microseconds per call, more than the kernel at decode sizes). After
-    :meth:`enable_fast_path` the launcher instead calls the compiled kernel's C launcher directly
-    with the pre-bound constexprs, exactly as ``JITFunction.run`` ends (the same call in Triton 3.6
-    and 3.8; setup checks it bit for bit and falls back to ``kernel[grid]`` where it differs). The
-    fast path is used only when the specialization it was compiled for
-    still holds: the data pointers are 16-byte aligned (Triton specializes on that) and no launch
-    hook (profiler) is installed; anything else takes the ordinary path. A CUDA-graph-captured
-    call costs neither.
-    """
-
-    def __init__(
-        self,
-        *,
-        hidden: int,
-        quant: str | None,
-        layout: str | None,
-        write_normed: bool,
-        num_partials: int,
-        eps: float,
-        weight_offset: float,
-        soft: bool,
-        soft_fp8: bool,
-        num_warps: int | None = None,
-    ) -> None:
-        if hidden > MAX_HIDDEN:
-            msg = f"hidden size: {hidden} (needs <= {MAX_HIDDEN})"
-            raise ValueError(msg)
-        group = 32 if quant == "mxfp8" else 16
-        block = max(triton.next_power_of_2(hidden), 4 * group)
-        self.quant = quant
-        self.swizzled = layout == "swizzled_128x4" and quant in ("nvfp4", "mxfp8")
-        self.num_warps = num_warps or default_num_warps(block)
-        self.eps = float(eps)
-        self.weight_offset = float(weight_offset)
-        self.constexprs: dict[str, Any] = {
-            "HIDDEN": hidden,
-            "BLOCK": block,
-            "GROUP": group,
-            "NUM_PARTIALS": num_partials,
-            "QUANT": QUANT_CODES[quant],
-            "SWIZZLED": self.swizzled,
-            "WRITE_NORMED": write_normed,
-            "SOFT": soft,
-            "SOFT_FP8": soft_fp8,
-        }
-        names = fused_add_rmsnorm_quant_kernel.arg_names
-        self._const_tail = tuple(self.constexprs[n] for n in names[names.index("HIDDEN") :])
-        self._fast: tuple[Callable[..., Any], Any, Any, Callable[[int], int], int] | None = None
-
-    def grid_rows(self, n_rows: int) -> int:
-        """Programs to launch: T, plus one per 32 padding rows when swizzled scales need them."""
-        if not self.swizzled:
-            return n_rows
-        return n_rows + ((n_rows + 127) // 128 * 128 - n_rows + 31) // 32
-
-    def launch(self, *ptrs: torch.Tensor, n_rows: int) -> Any:
-        """One launch over ``n_rows`` rows; ``ptrs`` = x, res, w, scale, h, y, q, sf."""
-        if (
-            self._fast is not None
-            and not (ptrs[0].data_ptr() | ptrs[1].data_ptr() | ptrs[2].data_ptr() | ptrs[4].data_ptr()) & 15
-            and not _launch_hooks_active()
-        ):
-            self._direct(ptrs, n_rows)
-            return None
-        return fused_add_rmsnorm_quant_kernel[(self.grid_rows(n_rows),)](
-            *ptrs, n_rows, self.eps, self.weight_offset, num_warps=self.num_warps, **self.constexprs
-        )
-
-    def _direct(self, ptrs: tuple[torch.Tensor, ...], n_rows: int) -> None:
-        """The compiled kernel's C launcher, called as ``JITFunction.run`` calls it (no hooks)."""
-        assert self._fast is not None
-        run, function, packed, get_stream, device = self._fast
-        args = (*ptrs, n_rows, self.eps, self.weight_offset, *self._const_tail)
-        run(self.grid_rows(n_rows), 1, 1, get_stream(device), function, packed, None, None, None, *args)
-
-    def enable_fast_path(
-        self, ptrs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...], n_rows: int
-    ) -> bool:
-        """Compile through ``kernel[grid]``, bind the C launcher, and keep it only if a launch
-        through it writes ``outputs`` bit for bit as the ordinary launch did. Synchronizes: setup only.
-
-        ``ptrs`` must not alias (x and h distinct) so that the two launches see the same inputs,
-        and must be 16-byte aligned like every tensor torch allocates.
-        """
-        self._fast = None
-        if INTERPRETED:
-            return False
-        try:
-            import torch
-            from triton.runtime import driver
-
-            compiled = self.launch(*ptrs, n_rows=n_rows)
-            first = [o.clone() for o in outputs]
-            dev = ptrs[0].device
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
-            get_stream = driver.active.get_current_stream
-            self._fast = (compiled.run, compiled.function, compiled.packed_metadata, get_stream, index)
-            for o in outputs:
-                o.zero_()
-            self._direct(ptrs, n_rows)
-            torch.cuda.synchronize(dev)
-            pairs = zip(first, outputs, strict=True)
-            if all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs):
-                return True
-            _log.warning("triton: direct launch disagrees with kernel[grid]; using kernel[grid]")
-        except Exception as exc:  # any Triton API drift: fall back, never fail setup over speed
-            _log.warning(
-                "triton: direct launch unavailable (%s: %s); using kernel[grid]", type(exc).__name__, exc
-            )
-        self._fast = None
-        return False
-
-    @property
-    def fast(self) -> bool:
-        """Whether launches go straight to the compiled kernel's C launcher."""
-        return self._fast is not None
-
-
-#: ``triton.knobs`` (Triton >= 3.4), read per fast launch: a profiler's launch hook needs the slow path.
-_KNOBS: Any = getattr(triton, "knobs", None)
-
-
-def _launch_hooks_active() -> bool:
-    """Whether a launch-enter hook (a profiler such as proton) is installed. Since Triton 3.5 the
-    knob is a ``HookChain`` that is never ``None``; an empty chain means no hook."""
-    if _KNOBS is None:
-        return False
-    hook = _KNOBS.runtime.launch_enter_hook
-    return hook is not None and bool(getattr(hook, "calls", True))
+        if SWIZZLED:
+            zero_padding_rows(sf_ptr, row - n_rows, n_rows, HIDDEN, BLOCK, GROUP)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def is_interpreted() -> bool:

@@ -2,22 +2,47 @@
 
 from __future__ import annotations
 
-from arnorm.plugin import BackendSpec, Capabilities, hookimpl
+from pydantic import Field
 
-__all__ = ["CAPABILITIES", "MAX_HIDDEN", "arnorm_backends"]
+from arnorm.plugin import BackendSettings, BackendSpec, Capabilities, hookimpl
+
+__all__ = ["CAPABILITIES", "MAX_HIDDEN", "TritonSettings", "arnorm_backends"]
 
 #: Widest row the single-pass kernel keeps in registers (one row per program of 32 warps at most,
 #: BLOCK = next_pow2(H)); wider rows would need a second pass over global memory.
 MAX_HIDDEN = 16384
 
-#: What the static check can decide without importing Triton; ``TritonBackend.probe`` adds the rest
-#: (Triton importable and >= 3.2, the interpreter for CPU tensors, nvfp4 / mxfp8 alignment).
+#: Everything that can be decided without importing Triton. ``TritonBackend.probe`` adds only
+#: what cannot be declared: Triton importable and new enough, and the interpreter for CPU tensors.
 CAPABILITIES = Capabilities(
     platforms=frozenset({"cpu", "cuda", "rocm"}),
+    dtypes=frozenset({"bfloat16", "float16", "float32"}),
     quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+    scale_layouts=frozenset({"linear", "swizzled_128x4"}),
+    # One quantization block per row of the kernel's [BLOCK / GROUP, GROUP] tile.
+    quant_hidden_multiple={"nvfp4": 16, "mxfp8": 32},
     min_arch=(8, 0),
     max_hidden=MAX_HIDDEN,
+    round_before_weight=True,
+    strided_rows=True,
 )
+
+
+class TritonSettings(BackendSettings):
+    """``ARNORM_TRITON_*``: how the ``triton`` backend reduces at TP > 1 and launches its kernel."""
+
+    exact: bool = Field(
+        default=False,
+        description="At TP > 1, all-gather the partials and sum them in fp32 in rank order inside "
+        "the kernel (bitwise the reference at any TP size) instead of a library all-reduce; costs a "
+        "TP * max_tokens * H gather buffer per rank and more traffic at TP >= 4.",
+    )
+    pdl: bool = Field(
+        default=True,
+        description="Launch with programmatic dependent launch where the GPU (SM 9.0+) and Triton "
+        "support it: the kernel's launch overlaps the previous kernel's tail (it still waits for "
+        "that kernel's results before its first load).",
+    )
 
 
 @hookimpl
@@ -31,6 +56,7 @@ def arnorm_backends() -> list[BackendSpec]:
             requires=("triton",),
             extra="triton",
             distribution="triton",
+            settings=TritonSettings,
             description="torch.distributed all-reduce (or exact all-gather) + one fused Triton kernel",
         )
     ]

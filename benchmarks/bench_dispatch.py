@@ -31,8 +31,14 @@ def measure(quant: str | None, number: int = 100_000, repeat: int = 7) -> tuple[
     """(median-of-min op call, direct stub call) in microseconds."""
     h = 4096
     op = arnorm.AllReduceNorm(
-        arnorm.LOCAL, hidden_size=h, dtype=torch.bfloat16, norm=arnorm.RMSNorm(), quant=quant, max_tokens=64,
-        device="cpu", backend="reference",
+        arnorm.LOCAL,
+        hidden_size=h,
+        dtype=torch.bfloat16,
+        norm=arnorm.RMSNorm(),
+        quant=quant,
+        max_tokens=64,
+        device="cpu",
+        backend="reference",
     )
     x, r = torch.randn(8, h, dtype=torch.bfloat16), torch.randn(8, h, dtype=torch.bfloat16)
     w = torch.randn(h, dtype=torch.bfloat16)

@@ -17,6 +17,12 @@ import fake_backends
 H = 8
 
 
+@pytest.fixture(autouse=True)
+def _reference_only():
+    """The core's own behaviour is checked against the reference alone (no plugin, no interpreter)."""
+    fake_backends.install()
+
+
 def make(**kw) -> arnorm.AllReduceNorm:
     base = dict(hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=8)
     base.update(kw)

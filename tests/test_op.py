@@ -24,6 +24,12 @@ def inputs(t=4, h=H, dtype=torch.float32, seed=0):
     )
 
 
+@pytest.fixture(autouse=True)
+def _reference_only():
+    """The core's own behaviour is checked against the reference alone (no plugin, no interpreter)."""
+    fake_backends.install()
+
+
 def make(group=arnorm.LOCAL, **kw) -> arnorm.AllReduceNorm:
     base = dict(hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=16)
     base.update(kw)

@@ -1,4 +1,13 @@
-"""Test support for arnorm and for backend authors: run code on several ranks, compare with the reference."""
+"""Test support for arnorm and for backend authors: run code on several ranks, compare with the reference.
+
+- :func:`run_ranks` runs a function on N spawned processes joined in one torch.distributed group
+  (gloo on CPU); a rank that fails ends the run within seconds with its traceback.
+- :class:`ConformanceSuite` (needs pytest: ``pip install 'arnorm[test]'``) checks a backend
+  against the numerics contract; subclass it and set ``backend``.
+
+Timeouts are arguments (``run_ranks(..., timeout=)``, ``ConformanceSuite.timeout``); no
+environment variable changes them.
+"""
 
 from arnorm.testing._ranks import RankError, run_ranks
 
@@ -8,7 +17,14 @@ __all__ = ["ConformanceSuite", "RankError", "run_ranks"]
 def __getattr__(name: str) -> object:
     # The suite imports pytest; load it only for test code that asks for it.
     if name == "ConformanceSuite":
-        from arnorm.testing.conformance import ConformanceSuite
-
+        try:
+            from arnorm.testing.conformance import ConformanceSuite
+        except ModuleNotFoundError as exc:
+            if exc.name != "pytest":
+                raise
+            msg = (
+                "arnorm.testing.ConformanceSuite: pytest is not installed (needs pip install 'arnorm[test]')"
+            )
+            raise ImportError(msg) from exc
         return ConformanceSuite
-    raise AttributeError(name)
+    raise AttributeError(f"module 'arnorm.testing' has no attribute {name!r}")

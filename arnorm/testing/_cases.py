@@ -1,19 +1,30 @@
-"""What one conformance case runs on each rank, as plain functions spawned ranks can import."""
+"""What one conformance case runs on each rank, as plain functions spawned ranks can import.
+
+A case ends in one of three ways (:attr:`CaseResult.outcome`): ``"ran"`` (with the comparison
+against the reference), ``"skipped"`` (the backend is merely ineligible for it on this machine:
+its verdict is ``incompatible``) or ``"error"`` (anything else: the backend is broken, failed to
+build, raised in the call, returned the wrong outputs). The decision reads the selection error's
+:class:`arnorm.Explanation` (``exc.explanation.verdict(backend).status``), never its message.
+"""
 
 from __future__ import annotations
 
+import traceback
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from arnorm.testing._compare import ulp_distance
+from arnorm.testing._compare import CodeMismatch, Mismatch, compare, compare_codes, first_difference
 
-__all__ = ["Case", "CaseResult", "run_cases"]
+__all__ = ["SKIP_STATUSES", "Case", "CaseResult", "bad_inputs_then_good", "exact_inputs", "run_cases"]
+
+#: Verdicts that mean "ineligible on this machine": the case is skipped, with the reasons.
+SKIP_STATUSES = frozenset({"incompatible"})
 
 
 @dataclass(frozen=True)
 class Case:
-    """One problem: shape, dtype, format (with layout) and norm kind."""
+    """One problem: shape, dtype, format (with layout) and norm."""
 
     tokens: int
     hidden: int
@@ -21,27 +32,35 @@ class Case:
     quant: str | None
     layout: str | None
     weight_offset: float
+    round_before_weight: bool = False
 
     @property
     def id(self) -> str:
         q = self.quant or "none"
         if self.layout:
             q += f"/{self.layout}"
-        return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-b{self.weight_offset:g}"
+        rbw = "-rbw" if self.round_before_weight else ""
+        return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-b{self.weight_offset:g}{rbw}"
 
 
 @dataclass(frozen=True)
 class CaseResult:
-    """How the backend did on one case, on one rank (``skipped`` holds the reasons it was ineligible)."""
+    """How the backend did on one case, on one rank.
+
+    ``status`` is the backend's verdict when the op could not be built (``reasons`` its reasons);
+    ``error`` says what went wrong for an ``"error"`` outcome. ``residual``, ``normed``, ``codes``
+    and ``scales`` describe the differences from the reference (``None`` / ``""``: none).
+    """
 
     case: Case
-    skipped: tuple[str, ...] = ()
+    outcome: str
+    status: str = ""
+    reasons: tuple[str, ...] = ()
     error: str = ""
-    residual_equal: bool = False
-    normed_ulps: int = 0
-    quant_mismatch: float = 0.0
-    quant_max_code_diff: int = 0
-    quant_scales_equal: bool = True
+    residual: Mismatch | None = None
+    normed: Mismatch | None = None
+    codes: CodeMismatch | None = None
+    scales: str = ""
 
 
 def exact_inputs(case: Case, world: int, device: Any) -> tuple[list[Any], Any, Any, Any]:
@@ -66,100 +85,196 @@ def exact_inputs(case: Case, world: int, device: Any) -> tuple[list[Any], Any, A
     return partials, residual, weight, scale
 
 
-def run_case(backend: str, case: Case, rank: int, world: int, device: Any) -> CaseResult:
-    """Build the backend strictly for ``case``, run it once, compare with the reference math."""
+def _group() -> Any:
+    """WORLD inside ranks spawned by ``run_ranks``, ``arnorm.LOCAL`` in a single process."""
+    import torch.distributed as dist
+
+    import arnorm
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else arnorm.LOCAL
+
+
+def build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, CaseResult | None]:
+    """Build the op strictly on ``backend``: ``(op, None)``, or ``(None, result)`` when it could not be."""
     import torch
 
     import arnorm
-    from arnorm._reference import add_rmsnorm, rank_order_sum
-    from arnorm.quant import quantize
 
-    partials, residual, weight, scale = exact_inputs(case, world, device)
     try:
         op = arnorm.AllReduceNorm(
+            _group(),
             hidden_size=case.hidden,
             dtype=getattr(torch, case.dtype),
-            norm=arnorm.RMSNorm(1e-6, case.weight_offset),
+            norm=arnorm.RMSNorm(1e-6, case.weight_offset, case.round_before_weight),
             quant=case.quant,
             scale_layout=case.layout,
-            max_tokens=max(64, case.tokens),
+            max_tokens=max_tokens,
             backend=backend,
             device=device,
         )
-    except arnorm.NoEligibleBackendError as exc:
-        return CaseResult(case, skipped=(str(exc).splitlines()[-2] if "\n" in str(exc) else str(exc),))
+    except arnorm.SelectionError as exc:
+        verdict = exc.explanation.verdict(backend) if exc.explanation is not None else None
+        if verdict is None:
+            return None, CaseResult(
+                case, "error", error=f"{type(exc).__name__} without a verdict for {backend}: {exc}"
+            )
+        outcome = "skipped" if verdict.status in SKIP_STATUSES else "error"
+        reasons = verdict.reasons or ("(no reason given)",)
+        error = "" if outcome == "skipped" else f"{verdict.status}: " + "; ".join(reasons)
+        return None, CaseResult(case, outcome, status=verdict.status, reasons=reasons, error=error)
     except arnorm.ArnormError as exc:
-        return CaseResult(case, error=f"{type(exc).__name__}: {exc}")
+        return None, CaseResult(case, "error", error=f"building the op raised {type(exc).__name__}: {exc}")
+    except Exception:
+        return None, CaseResult(case, "error", error=f"building the op raised:\n{traceback.format_exc()}")
+    return op, None
+
+
+def _shape_error(name: str, tensor: Any, shape: tuple[int, ...], dtype: Any) -> str:
+    if tensor is None:
+        return f"{name}: None (needs a tensor {list(shape)} {str(dtype).removeprefix('torch.')})"
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        found = f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+        return f"{name}: {found} (needs {list(shape)} {str(dtype).removeprefix('torch.')})"
+    return ""
+
+
+def _check(case: Case, op: Any, rank: int, world: int, device: Any) -> CaseResult:
+    """One call on exact inputs, compared with the reference steps of :mod:`arnorm.plugin`."""
+    import torch
+
+    from arnorm.plugin import add_rmsnorm, format_spec, rank_order_sum
+    from arnorm.quant import quantize
+
+    partials, residual, weight, scale = exact_inputs(case, world, device)
+    x = partials[rank].clone()
+    residual_before, weight_before = residual.clone(), weight.clone()
     try:
-        out = op(partials[rank].clone(), residual, weight, scale)
-    except Exception as exc:  # a conformance run reports whatever the backend raised
-        op.close()
-        return CaseResult(case, error=f"call raised {type(exc).__name__}: {exc}")
-    h, y = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, case.weight_offset)
-    result = CaseResult(
-        case,
-        residual_equal=bool(torch.equal(out.residual, h)),
-        normed_ulps=ulp_distance(out.normed, y) if out.normed is not None else 0,
-    )
-    if case.quant is not None:
-        assert out.quant is not None and out.normed is not None
-        expect = quantize(out.normed, case.quant, scale=scale, layout=op.problem.scale_layout)
-        got, want = out.quant.data.view(torch.uint8), expect.data.view(torch.uint8)
-        differ = got != want
-        codes = (got.int() - want.int()).abs()
-        scales_equal = torch.equal(out.quant.scale.view(torch.uint8), expect.scale.view(torch.uint8))
-        result = CaseResult(
-            case,
-            residual_equal=result.residual_equal,
-            normed_ulps=result.normed_ulps,
-            quant_mismatch=float(differ.float().mean()),
-            quant_max_code_diff=int(codes.max()) if codes.numel() else 0,
-            quant_scales_equal=scales_equal,
+        out = op(x, residual, weight, scale)
+    except Exception:
+        return CaseResult(case, "error", error=f"the call raised:\n{traceback.format_exc()}")
+    dtype = getattr(torch, case.dtype)
+    shape = (case.tokens, case.hidden)
+    problems = [_shape_error("Output.residual", out.residual, shape, dtype)]
+    problems.append(_shape_error("Output.normed", out.normed, shape, dtype))
+    if out.residual is not None and out.residual.data_ptr() != x.data_ptr():
+        problems.append("Output.residual: a new tensor (needs hidden_states itself: the op is in place)")
+    if not torch.equal(residual, residual_before):
+        problems.append(
+            "residual: written by the call (needs it unchanged: only hidden_states may be written)"
         )
-    op.close()
-    return result
+    if not torch.equal(weight, weight_before):
+        problems.append("weight: written by the call (needs it unchanged)")
+    if case.quant is not None:
+        spec = format_spec(case.quant)
+        got_q = out.quant
+        if got_q is None:
+            problems.append(f"Output.quant: None (needs the {case.quant} output)")
+        else:
+            data_dtype = getattr(torch, spec.data_dtype)
+            problems.append(
+                _shape_error("Output.quant.data", got_q.data, spec.data_shape(*shape), data_dtype)
+            )
+    problems = [p for p in problems if p]
+    if problems:
+        return CaseResult(case, "error", error="; ".join(problems))
+    h, y = add_rmsnorm(
+        rank_order_sum(partials),
+        residual_before,
+        weight_before,
+        1e-6,
+        case.weight_offset,
+        case.round_before_weight,
+    )
+    result = CaseResult(case, "ran", residual=compare(out.residual, h), normed=compare(out.normed, y))
+    if case.quant is None:
+        return result
+    # The quantizer is judged on the backend's own normed output: a 1-ulp normed difference must
+    # not count twice.
+    expect = quantize(out.normed, case.quant, scale=scale, layout=op.problem.scale_layout)
+    codes = compare_codes(out.quant.data, expect.data, packed_fp4=case.quant == "nvfp4")
+    scales = first_difference(out.quant.scale, expect.scale)
+    return CaseResult(case, "ran", residual=result.residual, normed=result.normed, codes=codes, scales=scales)
+
+
+def run_case(backend: str, case: Case, rank: int, world: int, device: Any) -> CaseResult:
+    """Build the backend strictly for ``case``, run it once, compare with the reference math."""
+    op, failed = build(backend, case, device, max(64, case.tokens))
+    if failed is not None:
+        return failed
+    try:
+        return _check(case, op, rank, world, device)
+    finally:
+        op.close()
+
+
+def _device(device: str) -> Any:
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
 def run_cases(rank: int, world: int, backend: str, cases: list[Case], device: str) -> list[CaseResult]:
     """Every case on this rank (the entry point ``run_ranks`` spawns)."""
-    import torch
-
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    dev = _device(device)
     return [run_case(backend, c, rank, world, dev) for c in cases]
 
 
-def bad_inputs_then_good(rank: int, world: int, backend: str, device: str) -> tuple[list[str], bool]:
-    """Each bad call raises InvalidInputError on this rank; a good call afterwards still matches."""
+def _bad_calls(
+    case: Case, x: Any, residual: Any, weight: Any, scale: Any, max_tokens: int
+) -> list[tuple[str, tuple[Any, ...]]]:
     import torch
 
-    import arnorm
-    from arnorm._reference import add_rmsnorm, rank_order_sum
-
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    case = Case(4, 256, "bfloat16", None, None, 0.0)
-    partials, residual, weight, _ = exact_inputs(case, world, dev)
-    x = partials[rank]
-    bad_calls = [
-        (x[:, :128].contiguous(), residual, weight),
-        (x.float(), residual, weight),
-        (x, residual[:, ::2], weight),
-        (x, residual, weight[:128]),
+    h = case.hidden
+    other = torch.float16 if x.dtype != torch.float16 else torch.bfloat16
+    too_many = torch.zeros(max_tokens + 1, h, dtype=x.dtype, device=x.device)
+    calls = [
         (
-            torch.empty(65, 256, dtype=x.dtype, device=dev),
-            torch.empty(65, 256, dtype=x.dtype, device=dev),
-            weight,
+            "hidden_states with half the columns",
+            (x[:, : h // 2].contiguous(), residual[:, : h // 2].contiguous(), weight, scale),
         ),
+        ("hidden_states in another dtype", (x.to(other), residual, weight, scale)),
+        ("residual of another shape", (x, residual[:, ::2], weight, scale)),
+        ("weight of half the length", (x, residual, weight[: h // 2].contiguous(), scale)),
+        (
+            f"{max_tokens + 1} tokens (max_tokens is {max_tokens})",
+            (too_many, too_many.clone(), weight, scale),
+        ),
+        ("residual that is hidden_states itself", (x, x, weight, scale)),
     ]
-    messages = []
-    with arnorm.AllReduceNorm(
-        hidden_size=256, dtype=torch.bfloat16, max_tokens=64, backend=backend, device=dev
-    ) as op:
-        for args in bad_calls:
+    if scale is not None:
+        calls.append(("scale None for a format that takes one", (x, residual, weight, None)))
+    return calls
+
+
+def bad_inputs_then_good(
+    rank: int, world: int, backend: str, case: Case, device: str
+) -> tuple[list[str], CaseResult]:
+    """Each bad call's outcome on this rank (``""`` when it raised InvalidInputError), then a good call.
+
+    Every rank makes the same bad calls: one that reached a collective on some ranks only would
+    hang the run, which ``run_ranks`` reports as a failure at its timeout.
+    """
+    import arnorm
+
+    dev = _device(device)
+    max_tokens = max(64, case.tokens)
+    op, failed = build(backend, case, dev, max_tokens)
+    if failed is not None:
+        return [], failed
+    try:
+        partials, residual, weight, scale = exact_inputs(case, world, dev)
+        x = partials[rank].clone()
+        outcomes = []
+        for what, args in _bad_calls(case, x, residual, weight, scale, max_tokens):
             try:
                 op(*args)
-                messages.append("no error")
-            except arnorm.InvalidInputError as exc:
-                messages.append(str(exc).split(" (")[0])
-        out = op(x.clone(), residual, weight)
-        h, _ = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 0.0)
-        return messages, bool(torch.equal(out.residual, h))
+                outcomes.append(f"{what}: accepted (needs InvalidInputError)")
+            except arnorm.InvalidInputError:
+                outcomes.append("")
+            except Exception as exc:
+                outcomes.append(
+                    f"{what}: raised {type(exc).__name__}: {exc} (needs arnorm.InvalidInputError)"
+                )
+        return outcomes, _check(case, op, rank, world, dev)
+    finally:
+        op.close()

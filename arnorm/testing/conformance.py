@@ -8,18 +8,37 @@ Subclass it in a backend's own tests and name the backend; pytest collects the m
         backend = "mine"
         world_sizes = (1, 2, 4)
 
-For every dtype and format the backend *declares*, at several shapes (odd token counts included),
-on 1, 2 and 4 ranks (gloo on CPU; CUDA tensors over gloo or NCCL on GPUs), it checks the numerics
-contract (docs/numerics.md): the residual bit for bit (inputs are chosen so every correct reduction
-order gives the same sum), the normed output within ``normed_ulps``, the quantized output equal to
+It needs pytest (``pip install 'arnorm[test]'``). For every dtype, format, layout and norm the
+backend *declares*, at several shapes (odd token counts included), on each of ``world_sizes``
+ranks (gloo on CPU; CUDA tensors over gloo or NCCL on GPUs), it checks the numerics contract
+(docs/numerics.md): the residual bit for bit (inputs are chosen so every correct reduction order
+gives the same sum), the normed output within ``normed_ulps``, the quantized output equal to
 ``arnorm.quant`` applied to the backend's own normed output (``quant_mismatch`` allows a fraction
-of codes off by one, for fast-math kernels). A declared case that the backend's probe rejects on
-this machine is skipped with the probe's reasons; one that passes its checks and then fails is an
-error. Bad inputs must raise ``InvalidInputError`` on every rank and leave the op usable.
+of codes off, for fast-math kernels); the residual is ``hidden_states`` itself (in place) and the
+residual and weight inputs are left unwritten. Bad inputs must raise ``InvalidInputError`` on every
+rank and leave the op usable.
+
+What fails and what skips:
+
+- **fails**: the backend is not registered; its plugin or module fails to import; its probe
+  raises or hangs; it breaks the protocol; ``create()`` fails (``setup_failed``); a call raises or
+  returns wrong values; ranks end differently.
+- **skips**, with the reasons: the backend is not installed or too old (``not_installed``,
+  ``outdated``), or every case at a world size is ``incompatible`` on this machine (its declared
+  capabilities or its probe rule it out, e.g. a CUDA backend on a CPU host). A single declared case
+  that is incompatible here (nvfp4 on a GPU older than the backend's floor) is left out silently
+  while others run.
+- ``require = True`` turns those skips into failures: set it where the backend must run (its
+  own CI on its hardware, e.g. ``require = torch.cuda.is_available()``), so that a lost
+  dependency or a probe that started rejecting cannot pass as skipped.
+
+Rank runs are bounded by ``timeout`` seconds (:func:`arnorm.testing.run_ranks`); a rank that dies
+fails the test within seconds with its traceback.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import pytest
@@ -30,12 +49,21 @@ from arnorm.testing._ranks import run_ranks
 __all__ = ["ConformanceSuite"]
 
 LAYOUTS = {"nvfp4": ("swizzled_128x4", "linear"), "mxfp8": ("linear", "swizzled_128x4")}
+#: Registry statuses that mean "not usable on this machine" rather than "broken".
+ABSENT = frozenset({"not_installed", "outdated"})
 
 
 def _device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _hidden(h: int, multiple: int, caps: Any) -> int | None:
+    """``h`` raised to ``caps.min_hidden`` and rounded up to ``multiple``; ``None`` above max_hidden."""
+    h = max(h, caps.min_hidden)
+    h += -h % multiple
+    return None if caps.max_hidden is not None and h > caps.max_hidden else h
 
 
 class ConformanceSuite:
@@ -53,117 +81,197 @@ class ConformanceSuite:
     # Scales computed by the kernel (per-token fp8, block scales) bit for bit; fast-math kernels
     # that divide approximately set this False and are held to their codes only.
     quant_scales_exact: ClassVar[bool] = True
+    #: Fail instead of skip when the backend is absent or ineligible here (see the module docstring).
+    require: ClassVar[bool] = False
+    #: Seconds a multi-rank run may take before it fails (passed to run_ranks).
+    timeout: ClassVar[float] = 300.0
 
-    _results: ClassVar[dict[tuple[str, int], list[CaseResult]]] = {}
+    _results: ClassVar[dict[tuple[type, int], list[CaseResult]]] = {}
 
     # -- the sweep ----------------------------------------------------------------------------
 
     @classmethod
+    def _skip(cls, why: str) -> None:
+        if cls.require:
+            pytest.fail(f"{cls.backend}: {why} (require = True: it must run here)")
+        pytest.skip(f"{cls.backend}: {why}")
+
+    @classmethod
     def spec(cls) -> Any:
+        """The backend's descriptor; fails for an unregistered or broken backend, skips an absent one."""
         import arnorm
 
+        if not cls.backend:
+            pytest.fail(f"{cls.__name__}.backend: '' (needs the name of the backend under test)")
         infos = {i.name: i for i in arnorm.backends()}
-        if cls.backend not in infos:
-            pytest.fail(f"backend: {cls.backend!r} is not registered (needs one of {sorted(infos)})")
-        info = infos[cls.backend]
-        if info.status == "not installed":
-            pytest.skip(info.reason)
-        if info.status != "available":
+        info = infos.get(cls.backend)
+        if info is None:
+            pytest.fail(
+                f"backend: {cls.backend!r} is not registered (needs one of {', '.join(sorted(infos))})"
+            )
+        if info.status in ABSENT:
+            cls._skip(info.reason)
+        if info.status != "available" or info.spec is None:
             pytest.fail(f"backend {cls.backend!r} is {info.status}: {info.reason}")
         return info.spec
 
     @classmethod
     def cases(cls) -> list[Case]:
-        """Every declared (dtype, format, layout), at each shape, alternating plain and Gemma norms."""
+        """Every declared (dtype, format, layout), at each shape; the norms rotate through the
+        declared weight offsets, with ``round_before_weight`` where the backend declares it."""
         caps = cls.spec().capabilities
+        from arnorm.plugin import format_spec
+
+        offsets = sorted(caps.weight_offsets) if caps.weight_offsets is not None else [0.0, 1.0]
         out = []
         for dtype in sorted(caps.dtypes):
             for quant in sorted(caps.quant):
+                q = None if quant == "none" else quant
+                if quant in caps.quant_dtypes and dtype not in caps.quant_dtypes[quant]:
+                    continue
+                block = format_spec(q).hidden_multiple if q else 1
+                multiple = math.lcm(caps.quant_hidden_multiple.get(quant, caps.hidden_multiple), block)
                 layouts = [
                     lay for lay in LAYOUTS.get(quant, (None,)) if lay is None or lay in caps.scale_layouts
                 ]
                 for layout in layouts:
                     for i, (t, h) in enumerate(cls.shapes):
-                        h = max(h, caps.min_hidden)
-                        h += -h % caps.hidden_multiple
-                        out.append(
-                            Case(t, h, dtype, None if quant == "none" else quant, layout, float(i % 2))
-                        )
+                        hidden = _hidden(h, multiple, caps)
+                        if hidden is None:
+                            continue
+                        rbw = caps.round_before_weight and i % 3 == 2
+                        out.append(Case(t, hidden, dtype, q, layout, float(offsets[i % len(offsets)]), rbw))
         return out
 
     @classmethod
+    def _declared_world(cls, world: int) -> str:
+        """Why ``world`` is outside what the backend declares (``""``: inside)."""
+        caps = cls.spec().capabilities
+        if caps.world_sizes is not None and world not in caps.world_sizes:
+            return f"world size {world} is not declared (declares {sorted(caps.world_sizes)})"
+        if world < caps.min_world_size:
+            return f"world size {world} is not declared (declares >= {caps.min_world_size})"
+        return ""
+
+    @classmethod
+    def _run(cls, world: int, fn: Any, *args: Any) -> list[Any]:
+        if world == 1:
+            return [fn(0, 1, *args)]
+        return run_ranks(world, fn, *args, timeout=cls.timeout)
+
+    @classmethod
     def results(cls, world: int) -> list[CaseResult]:
-        """Every case on ``world`` ranks, run once per class and world size; rank 0's view."""
-        key = (cls.backend, world)
+        """Every case on ``world`` ranks, run once per class and world size; rank 0's view.
+
+        Fails when the ranks ended a case differently (one ran it, another skipped or failed).
+        """
+        key = (cls, world)
         if key not in cls._results:
             cases = cls.cases()
-            if world == 1:
-                per_rank = [run_cases(0, 1, cls.backend, cases, _device())]
-            else:
-                per_rank = run_ranks(world, run_cases, cls.backend, cases, _device())
-            for r, rows in enumerate(per_rank[1:], start=1):
-                for a, b in zip(per_rank[0], rows, strict=True):
-                    assert (a.skipped, bool(a.error)) == (b.skipped, bool(b.error)), (
-                        f"rank {r} diverged on {a.case.id}"
-                    )
+            per_rank = cls._run(world, run_cases, cls.backend, cases, _device())
+            diverged = [
+                f"{a.case.id}: rank 0 {a.outcome} {a.status}".rstrip()
+                + f", rank {r} {b.outcome} {b.status}".rstrip()
+                for r, rows in enumerate(per_rank[1:], start=1)
+                for a, b in zip(per_rank[0], rows, strict=True)
+                if (a.outcome, a.status) != (b.outcome, b.status)
+            ]
+            if diverged:
+                pytest.fail("ranks ended cases differently:\n" + "\n".join(diverged))
             cls._results[key] = per_rank[0]
         return cls._results[key]
 
+    def _ran(self, world: int) -> list[CaseResult]:
+        """The cases that ran at ``world``; skips (or, with ``require``, fails) when none could."""
+        if world not in self.world_sizes:
+            pytest.skip(f"world size {world} not in {type(self).__name__}.world_sizes {self.world_sizes}")
+        undeclared = self._declared_world(world)
+        if undeclared:
+            pytest.skip(f"{self.backend}: {undeclared}")
+        rows = self.results(world)
+        if not rows:
+            pytest.fail(
+                f"{self.backend}: declares no case the suite can build (dtypes, formats or hidden sizes)"
+            )
+        ran = [r for r in rows if r.outcome != "skipped"]
+        if not ran:
+            reasons = sorted({reason for r in rows for reason in r.reasons})
+            self._skip(f"incompatible with every case on {world} rank(s) here: " + "; ".join(reasons))
+        return ran
+
     # -- the tests ----------------------------------------------------------------------------
 
-    def test_declares_valid_capabilities(self) -> None:
-        """The backend's descriptor loads and declares at least one dtype and format."""
-        caps = self.spec().capabilities
-        assert caps.dtypes and caps.quant and caps.platforms
+    def test_declares_and_loads(self) -> None:
+        """The descriptor declares at least one dtype, format and platform, and the class imports."""
+        spec = self.spec()
+        caps = spec.capabilities
+        missing = [f for f in ("dtypes", "quant", "platforms") if not getattr(caps, f)]
+        if missing:
+            pytest.fail(
+                f"{self.backend}: capabilities declare no {', '.join(missing)} (needs at least one each)"
+            )
+        try:
+            spec.load()
+        except Exception as exc:
+            pytest.fail(f"{self.backend}: loading {spec.loader} raised {type(exc).__name__}: {exc}")
 
     @pytest.mark.parametrize("world", [1, 2, 4])
     def test_matches_reference(self, world: int) -> None:
-        """Residual bitwise, normed within tolerance, quant bitwise (or within the declared slack)."""
-        if world not in self.world_sizes:
-            pytest.skip(f"world size {world} not in {self.world_sizes}")
-        rows = self.results(world)
-        ran = [r for r in rows if not r.skipped]
-        if not ran:
-            pytest.skip(f"{self.backend} is not eligible here: {rows[0].skipped[0] if rows else 'no case'}")
+        """Residual bitwise, normed within tolerance, quant bitwise (or within the declared slack);
+        every declared case that is not merely incompatible here must build and run."""
         failures = []
-        for r in ran:
-            if r.error:
+        for r in self._ran(world):
+            if r.outcome == "error":
                 failures.append(f"{r.case.id}: {r.error}")
                 continue
-            if not r.residual_equal:
-                failures.append(f"{r.case.id}: residual differs from the contract")
-            allowed = self.normed_ulps_fp32 if r.case.dtype == "float32" else self.normed_ulps
-            if r.normed_ulps > allowed:
-                failures.append(f"{r.case.id}: normed {r.normed_ulps} ulp off (allowed {allowed})")
-            if self.quant_scales_exact and not r.quant_scales_equal:
-                failures.append(f"{r.case.id}: quant scales differ from arnorm.quant's")
-            if r.quant_mismatch > self.quant_mismatch:
-                failures.append(
-                    f"{r.case.id}: quant differs in {100 * r.quant_mismatch:.4f}% of codes "
-                    f"(allowed {100 * self.quant_mismatch:.4f}%)"
-                )
-            if r.quant_max_code_diff > self.quant_max_code_diff:
-                failures.append(
-                    f"{r.case.id}: a quant code is {r.quant_max_code_diff} codes off "
-                    f"(allowed {self.quant_max_code_diff})"
-                )
-        assert not failures, "\n".join(failures)
+            failures.extend(f"{r.case.id}: {f}" for f in self._judge(r))
+        if failures:
+            pytest.fail(
+                f"{self.backend} on {world} rank(s), {len(failures)} failure(s):\n" + "\n".join(failures)
+            )
 
-    def test_declared_formats_are_served(self) -> None:
-        """Every declared format is either served or rejected by the probe with reasons, never broken."""
-        rows = self.results(min(self.world_sizes))
-        errors = [f"{r.case.id}: {r.error}" for r in rows if r.error]
-        assert not errors, "\n".join(errors)
+    def _judge(self, r: CaseResult) -> list[str]:
+        out = []
+        if r.residual is not None:
+            out.append(
+                r.residual.describe("residual", "0: bitwise")
+                + " (hint: round the reduced sum to the dtype before the residual add, docs/numerics.md)"
+            )
+        allowed = self.normed_ulps_fp32 if r.case.dtype == "float32" else self.normed_ulps
+        if r.normed is not None and r.normed.max_ulps > allowed:
+            out.append(r.normed.describe("normed", f"{allowed} ulp"))
+        if self.quant_scales_exact and r.scales:
+            out.append(f"quant scales differ from arnorm.quant's: {r.scales}")
+        if r.codes is not None and (
+            r.codes.fraction > self.quant_mismatch or r.codes.max_steps > self.quant_max_code_diff
+        ):
+            allowed_codes = (
+                f"{100 * self.quant_mismatch:.4f}% of codes, at most {self.quant_max_code_diff} step(s) off"
+            )
+            out.append(r.codes.describe("quant codes") + f"; allowed: {allowed_codes}")
+        return out
 
     def test_bad_inputs_raise_everywhere_and_leave_op_usable(self) -> None:
         """Bad calls raise InvalidInputError on every rank before any collective; a good call still works."""
         world = max(self.world_sizes)
-        if all(r.skipped for r in self.results(min(self.world_sizes))):
-            pytest.skip(f"{self.backend} is not eligible here")
-        if world == 1:
-            per_rank = [bad_inputs_then_good(0, 1, self.backend, _device())]
-        else:
-            per_rank = run_ranks(world, bad_inputs_then_good, self.backend, _device())
-        assert all(p == per_rank[0] for p in per_rank)
-        messages, ok = per_rank[0]
-        assert "no error" not in messages and ok
+        ran = [r for r in self._ran(min(self.world_sizes)) if r.outcome == "ran"]
+        if not ran:
+            pytest.fail(
+                f"{self.backend}: no case ran cleanly, so bad inputs cannot be tested "
+                "(see test_matches_reference)"
+            )
+        if self._declared_world(world):
+            world = min(self.world_sizes)
+        case = ran[0].case
+        per_rank = self._run(world, bad_inputs_then_good, self.backend, case, _device())
+        failures: list[str] = []
+        for rank, (outcomes, good) in enumerate(per_rank):
+            failures.extend(f"rank {rank}: {o}" for o in outcomes if o)
+            if good.outcome != "ran":
+                failures.append(f"rank {rank}: the good call after the bad ones: {good.error or good.status}")
+            else:
+                failures.extend(
+                    f"rank {rank}: the good call after the bad ones: {f}" for f in self._judge(good)
+                )
+        if failures:
+            pytest.fail(f"{self.backend} on {world} rank(s), {case.id}:\n" + "\n".join(failures))

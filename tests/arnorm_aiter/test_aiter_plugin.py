@@ -24,7 +24,7 @@ def test_descriptor_fields():
     assert spec.capabilities == CAPABILITIES
     assert spec.min_version == "0.1.19.post1"
     # The public index's aiter is too old: the hint says where a usable one comes from.
-    assert spec.fix_hint() == "amd-aiter >= 0.1.19.post1 built from ROCm/aiter, see docs/aiter.md"
+    assert spec.fix_hint() == "a build of ROCm/aiter at v0.1.19.post1 or later, see docs/aiter.md"
 
 
 def test_entry_point_declared():
@@ -46,7 +46,7 @@ def test_listed_quietly_as_not_installed():
     assert info.status == "not_installed"
     assert (
         info.reason
-        == "not installed: aiter (needs amd-aiter >= 0.1.19.post1 built from ROCm/aiter, see docs/aiter.md)"
+        == "not installed: aiter (needs a build of ROCm/aiter at v0.1.19.post1 or later, see docs/aiter.md)"
     )
 
 

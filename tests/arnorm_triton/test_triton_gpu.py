@@ -73,22 +73,48 @@ class _NoOrdinaryLaunch:
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_hardware_casts_and_direct_launch_are_used(variant, monkeypatch):
-    """On SM 8.9+ the kernel uses the hardware bf16 / e4m3 casts, and every call after setup goes
-    through the validated direct C launcher, never kernel[grid]."""
+    """On SM 8.9+ the kernel uses the hardware bf16 / e4m3 casts, and every call after setup, at
+    token counts in every bucket of the launch table, goes through the validated direct launcher
+    (never kernel[grid]); on SM 9.0+ with programmatic dependent launch."""
     import arnorm_triton._kernels as kernels
 
-    backend = _run(variant, 7, 4096, torch.bfloat16, 0.0)
+    quant, _ = variant
+    problem = make_problem(4096, torch.bfloat16, quant, variant[1], max_tokens=2048, device="cuda")
+    backend = make_backend(problem)
     c = backend.launcher.constexprs
     assert c["SOFT"] is False
     if torch.cuda.get_device_capability() >= (8, 9) and not torch.version.hip:
         assert c["SOFT_FP8"] is False
-    assert backend.fast_launch, "the direct C launcher was not validated on this Triton version"
+    if torch.cuda.get_device_capability() >= (9, 0) and not torch.version.hip:
+        assert backend.launcher.pdl, "programmatic dependent launch is off on SM 9.0+"
+    assert backend.fast_launch, "the direct launcher was not validated on this Triton version"
     monkeypatch.setattr(kernels, "fused_add_rmsnorm_quant_kernel", _NoOrdinaryLaunch())
-    quant, _ = variant
-    x, res, w = _inputs(7, 4096, torch.bfloat16, 0.0)
-    scale = make_scale(quant, add_rmsnorm(x, res, w, 1e-6, 0.0)[1])
-    out = backend(x.clone(), res, w, scale)
-    check_output(out, x, res, w, backend._problem, scale)
+    for t in (1, 7, 17, 129, 1025, 2048):
+        x, res, w = _inputs(t, 4096, torch.bfloat16, 0.0, seed=t)
+        scale = make_scale(quant, add_rmsnorm(x, res, w, 1e-6, 0.0)[1])
+        out = backend(x.clone(), res, w, scale)
+        check_output(out, x, res, w, problem, scale)
+
+
+@pytest.mark.parametrize(
+    "variant", [(None, None), ("nvfp4", "swizzled_128x4"), ("mxfp8", "linear")], ids=variant_id
+)
+def test_strided_rows_and_round_before_weight_on_gpu(variant):
+    """Strided [T, H] views (row strides 4096 + 64, divisible by 16: the direct launch) and
+    round_before_weight on the compiled kernel: contract met, padding columns untouched."""
+    quant, layout = variant
+    t, h = 300, 4096
+    x, res, w = _inputs(t, h, torch.bfloat16, 1.0, seed=5)
+    problem = make_problem(h, torch.bfloat16, quant, layout, weight_offset=1.0, max_tokens=512, device="cuda",
+                           round_before_weight=True)  # fmt: skip
+    backend = make_backend(problem)
+    wide_x = torch.full((t, h + 64), 3.0, dtype=torch.bfloat16, device="cuda")
+    wide_r = torch.full((t, h + 64), 5.0, dtype=torch.bfloat16, device="cuda")
+    wide_x[:, :h], wide_r[:, :h] = x, res
+    scale = make_scale(quant, add_rmsnorm(x, res, w, 1e-6, 1.0, round_before_weight=True)[1])
+    out = backend(wide_x[:, :h], wide_r[:, :h], w, scale)
+    check_output(out, x, res, w, problem, scale)
+    assert bool((wide_x[:, h:] == 3.0).all()) and bool((wide_r[:, h:] == 5.0).all())
 
 
 @pytest.mark.parametrize(

@@ -79,16 +79,64 @@ def test_swizzled_padding_is_written():
     backend = make_backend(problem)
     alloc = backend._alloc
 
-    def dirty_alloc(t, h_out):
-        outs = alloc(t, h_out)
+    def dirty_alloc(t):
+        outs = alloc(t)
         for o in outs[1:3]:
-            o.fill_(0x55)
+            o.view(torch.uint8).fill_(0x55)
         return outs
 
     backend._alloc = dirty_alloc
     out = backend(partials[0].clone(), residual, weight, scale)
     assert out.quant.scale.shape == ((t + 127) // 128 * 128, 8)  # K = 6 scale columns pad to 8
     check_output(out, partials[0], residual, weight, problem, scale)
+
+
+@pytest.mark.parametrize(
+    "variant", [(None, None), ("fp8_per_token", None), ("nvfp4", "linear")], ids=variant_id
+)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).removeprefix("torch.")
+)
+def test_round_before_weight(variant, dtype):
+    """RMSNorm(round_before_weight=True): normed within 1 ulp of add_rmsnorm(round_before_weight=True)
+    (bitwise on most elements), residual bitwise, quant bitwise equal to quantize(kernel normed)."""
+    quant, layout = variant
+    partials, residual, weight = make_inputs(4, 256, dtype, weight_offset=1.0, device=DEVICE)
+    s = partials[0]
+    _, y_ref = add_rmsnorm(s, residual, weight, 1e-6, 1.0, round_before_weight=True)
+    scale = make_scale(quant, y_ref)
+    problem = make_problem(
+        256, dtype, quant, layout, weight_offset=1.0, round_before_weight=True, device=DEVICE
+    )
+    out = make_backend(problem)(s.clone(), residual, weight, scale)
+    check_output(out, s, residual, weight, problem, scale)
+    _, y_once = add_rmsnorm(s, residual, weight, 1e-6, 1.0, round_before_weight=False)
+    assert not torch.equal(y_once, y_ref), "the two orders must differ on these inputs for the test to bite"
+    assert (out.normed == y_ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "out_of_place"])
+@pytest.mark.parametrize("variant", [(None, None), ("mxfp8", "swizzled_128x4")], ids=variant_id)
+def test_strided_rows(variant, inplace):
+    """[T, H] views with row stride > H (hidden_states and residual) are read and written in place
+    without a copy: the padding columns stay untouched and the outputs meet the contract."""
+    quant, layout = variant
+    t, h = 5, 256
+    partials, residual, weight = make_inputs(t, h, torch.bfloat16, device=DEVICE)
+    wide_x = torch.full((t, h + 48), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    wide_r = torch.full((t, h + 80), 9.0, dtype=torch.bfloat16, device=DEVICE)
+    wide_x[:, 16 : 16 + h] = partials[0]
+    wide_r[:, :h] = residual
+    x, r = wide_x[:, 16 : 16 + h], wide_r[:, :h]
+    assert not x.is_contiguous() and x.stride(0) == h + 48
+    problem = make_problem(h, torch.bfloat16, quant, layout, inplace=inplace, device=DEVICE)
+    out = make_backend(problem)(x, r, weight, None)
+    check_output(out, partials[0], residual, weight, problem, None)
+    assert (out.residual is x) == inplace
+    if not inplace:
+        assert torch.equal(x, partials[0])
+    assert bool((wide_x[:, :16] == 7.0).all()) and bool((wide_x[:, 16 + h :] == 7.0).all())
+    assert torch.equal(wide_r[:, :h], residual) and bool((wide_r[:, h:] == 9.0).all())
 
 
 @triton.jit

@@ -2,12 +2,14 @@
 
 The stand-in takes exactly what ``JITFunction.run`` passes to ``CompiledKernel.run`` in Triton 3.6
 and 3.8 — ``(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
-*every kernel argument in signature order, constexprs included)`` — and runs the interpreted
-kernel with them, so argument order and the validation fallback are checked without a GPU.
+*every kernel argument in signature order, constexprs included)`` — with pointers as plain
+integers (as the direct launch passes them), maps them back to the tensors and runs the
+interpreted kernel, so argument order and the validation fallback are checked without a GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import types
 
 import pytest
@@ -16,8 +18,9 @@ import triton
 from triton_cases import make_inputs
 
 import arnorm_triton._kernels as kernels
+import arnorm_triton._launch as launch_module
 from arnorm.quant import quantize
-from arnorm_triton._kernels import FusedLauncher
+from arnorm_triton._launch import FusedLauncher
 
 pytestmark = pytest.mark.skipif(not kernels.INTERPRETED, reason="CPU stand-in for the interpreter only")
 
@@ -25,8 +28,8 @@ pytestmark = pytest.mark.skipif(not kernels.INTERPRETED, reason="CPU stand-in fo
 class _FakeCompiled:
     """What ``kernel[grid](...)`` returns; ``run`` is the C launcher's calling convention."""
 
-    def __init__(self, real, corrupt: bool) -> None:
-        self.real, self.corrupt, self.calls = real, corrupt, 0
+    def __init__(self, real, corrupt: bool, typed: dict[str, torch.Tensor]) -> None:
+        self.real, self.corrupt, self.calls, self.typed = real, corrupt, 0, typed
         self.function, self.packed_metadata = object(), object()
 
     def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_hook, *args):
@@ -36,19 +39,40 @@ class _FakeCompiled:
         assert len(args) == len(names), "every kernel argument, constexprs included, in signature order"
         self.calls += 1
         kwargs = dict(zip(names, args, strict=True))
+        for name in names:
+            if name.endswith("_ptr"):
+                assert isinstance(kwargs[name], int), "pointers go to the launcher as plain integers"
+                kwargs[name] = _at(kwargs[name], self.typed[name])
+        kwargs["USE_PDL"] = False  # griddepcontrol is GPU-only; the interpreter runs without it
         if self.corrupt:
             kwargs["eps"] = 0.5  # a launcher that binds arguments wrongly
         self.real[(gx,)](**kwargs)
 
 
+def _at(address: int, like: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of ``like``'s dtype at a raw address (what the integer pointer names)."""
+    nbytes = max(like.numel() * like.element_size(), 16) * 64  # room for any T the tests use
+    raw = (ctypes.c_byte * nbytes).from_address(address)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(like.dtype)
+
+
 class _FakeKernel:
+    """``kernel[grid](...)`` runs the interpreted kernel and remembers each pointer argument's
+    dtype (as the kernel sees it), so the fake launcher can turn integers back into tensors."""
+
     def __init__(self, real, corrupt: bool) -> None:
         self.real, self.arg_names = real, real.arg_names
-        self.compiled = _FakeCompiled(real, corrupt)
+        self.typed: dict[str, torch.Tensor] = {}
+        self.compiled = _FakeCompiled(real, corrupt, self.typed)
+        self.options: list[dict] = []
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps, **constexprs):
-            self.real[grid](*args, **constexprs)
+        def launch(*args, num_warps, launch_pdl=False, **constexprs):
+            self.options.append({"num_warps": num_warps, "launch_pdl": launch_pdl})
+            for name, a in zip(self.arg_names, args, strict=False):
+                if isinstance(a, torch.Tensor):
+                    self.typed[name] = a
+            self.real[grid](*args, **{**constexprs, "USE_PDL": False})
             return self.compiled
 
         return launch
@@ -58,6 +82,7 @@ def _setup(monkeypatch, corrupt: bool):
     fake = _FakeKernel(kernels.fused_add_rmsnorm_quant_kernel, corrupt)
     monkeypatch.setattr(kernels, "fused_add_rmsnorm_quant_kernel", fake)
     monkeypatch.setattr(kernels, "INTERPRETED", False)
+    assert launch_module.K is kernels
     driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda index: 0))
     monkeypatch.setattr(triton.runtime, "driver", driver)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -65,9 +90,9 @@ def _setup(monkeypatch, corrupt: bool):
     return fake
 
 
-def _launcher(quant: str | None = None, layout: str | None = None) -> FusedLauncher:
-    return FusedLauncher(hidden=256, quant=quant, layout=layout, write_normed=True, num_partials=1, eps=1e-6,
-                         weight_offset=1.0, soft=True, soft_fp8=True)  # fmt: skip
+def _launcher(quant: str | None = None, layout: str | None = None, **kw) -> FusedLauncher:
+    fixed = {"hidden": 256, "itemsize": 2, "write_normed": True, "num_partials": 1, "eps": 1e-6, "soft": True}
+    return FusedLauncher(quant=quant, layout=layout, weight_offset=1.0, soft_fp8=True, **fixed, **kw)
 
 
 def _buffers(t: int, h: int):
@@ -79,17 +104,21 @@ def _buffers(t: int, h: int):
     return x, res, w, scale, torch.empty_like(x), torch.empty_like(x), q, sf
 
 
+def _bind(launcher: FusedLauncher, ptrs, outputs, t: int) -> bool:
+    return launcher.bind(ptrs, outputs, t, (256, 256, 256), launcher.configs(64))
+
+
 def test_direct_launch_binds_arguments_like_jit_run(monkeypatch):
-    """The bound C-launcher call reproduces kernel[grid] bit for bit and is then used for every launch."""
+    """The bound launcher call reproduces kernel[grid] bit for bit and is then used for every launch."""
     fake = _setup(monkeypatch, corrupt=False)
     launcher = _launcher("nvfp4", "swizzled_128x4")
     ptrs = _buffers(3, 256)
-    assert launcher.enable_fast_path(ptrs, ptrs[4:], 3) and launcher.fast
+    assert _bind(launcher, ptrs, ptrs[4:], 3) and launcher.fast
     assert fake.compiled.calls == 1  # the validation launch went through the direct path
     expect = [o.clone() for o in ptrs[4:]]
     for o in ptrs[4:]:
         o.zero_()
-    assert launcher.launch(*ptrs, n_rows=3) is None
+    assert launcher.launch(*ptrs, 3, 256, 256, 256) is None
     assert fake.compiled.calls == 2
     for a, b in zip(ptrs[4:], expect, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -102,9 +131,9 @@ def test_direct_launch_that_disagrees_is_dropped(monkeypatch, caplog):
     fake = _setup(monkeypatch, corrupt=True)
     launcher = _launcher()
     ptrs = _buffers(2, 256)
-    assert not launcher.enable_fast_path(ptrs, ptrs[4:6], 2) and not launcher.fast
+    assert not _bind(launcher, ptrs, ptrs[4:6], 2) and not launcher.fast
     assert "disagrees" in caplog.text
-    launcher.launch(*ptrs, n_rows=2)
+    launcher.launch(*ptrs, 2, 256, 256, 256)
     assert fake.compiled.calls == 1  # only the validation attempt
 
 
@@ -113,12 +142,42 @@ def test_misaligned_pointer_takes_the_ordinary_path(monkeypatch):
     fake = _setup(monkeypatch, corrupt=False)
     launcher = _launcher()
     ptrs = _buffers(2, 256)
-    assert launcher.enable_fast_path(ptrs, ptrs[4:6], 2)
+    assert _bind(launcher, ptrs, ptrs[4:6], 2)
     flat = torch.empty(2 * 256 + 1, dtype=torch.bfloat16)
     shifted = flat[1:].view(2, 256)  # 2-byte offset
     shifted.copy_(ptrs[0])
-    launcher.launch(shifted, *ptrs[1:], n_rows=2)
+    launcher.launch(shifted, *ptrs[1:], 2, 256, 256, 256)
     assert fake.compiled.calls == 1
+
+
+def test_stride_that_breaks_the_specialization_takes_the_ordinary_path(monkeypatch):
+    """A row stride not divisible by 16 (the compiled kernel assumed it is) launches ordinarily,
+    and a strided view whose stride keeps the specialization goes direct."""
+    fake = _setup(monkeypatch, corrupt=False)
+    launcher = _launcher()
+    ptrs = _buffers(2, 256)
+    assert _bind(launcher, ptrs, ptrs[4:6], 2)
+    wide = torch.zeros(2, 264, dtype=torch.bfloat16)  # stride 264 = 16 * 16.5
+    wide[:, :256] = ptrs[0]
+    launcher.launch(wide[:, :256], *ptrs[1:], 2, 264, 256, 256)
+    assert fake.compiled.calls == 1
+    wider = torch.zeros(2, 272, dtype=torch.bfloat16)
+    wider[:, :256] = ptrs[0]
+    launcher.launch(wider[:, :256], *ptrs[1:], 2, 272, 256, 256)
+    assert fake.compiled.calls == 2
+
+
+def test_pdl_launch_option_and_config_per_token_count(monkeypatch):
+    """A PDL launcher compiles with launch_pdl; each configuration the table yields is bound once."""
+    import arnorm_triton._launch_table as table
+
+    fake = _setup(monkeypatch, corrupt=False)
+    monkeypatch.setitem(table.TABLE, (9, 256, 0, True, 2), ((1, 2), (16, 4)))
+    launcher = _launcher(pdl=True, arch=(9, 0))
+    assert [launcher.config(t).num_warps for t in (1, 2, 16, 17, 1000)] == [2, 4, 4, 4, 4]
+    ptrs = _buffers(2, 256)
+    assert _bind(launcher, ptrs, ptrs[4:6], 2)
+    assert fake.options == [{"num_warps": 2, "launch_pdl": True}, {"num_warps": 4, "launch_pdl": True}]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from arnorm.plugin import Comm, Config, Problem, add_rmsnorm, rank_order_sum
+from arnorm.plugin import Comm, Problem, add_rmsnorm, rank_order_sum
 from arnorm.quant import quantize
 
 #: Format variants: (quant, scale_layout).
@@ -45,6 +45,7 @@ def make_problem(
     inplace: bool = True,
     device: torch.device | str = "cpu",
     eps: float = 1e-6,
+    round_before_weight: bool = False,
 ) -> Problem:
     device = torch.device(device)
     platform, arch = platform_of(device)
@@ -62,16 +63,19 @@ def make_problem(
         device_type=device.type,
         platform=platform,
         arch=arch,
+        round_before_weight=round_before_weight,
     )
 
 
-def make_backend(problem: Problem, comm: Comm | None = None, config: Config | None = None):
+def make_backend(problem: Problem, comm: Comm | None = None, **settings):
+    """``TritonBackend.create`` with ``TritonSettings(**settings)`` (local comm by default)."""
     from arnorm_triton._backend import TritonBackend
+    from arnorm_triton._plugin import TritonSettings
 
     cpu = problem.device_type == "cpu"
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     comm = comm if comm is not None else Comm(None, device)
-    return TritonBackend.create(problem, comm, config if config is not None else Config())
+    return TritonBackend.create(problem, comm, TritonSettings(**settings))
 
 
 def make_inputs(tokens: int, hidden: int, dtype: torch.dtype, *, world: int = 1, weight_offset: float = 0.0,
@@ -150,7 +154,9 @@ def assert_quant_equal(q, expect) -> None:
 def check_output(out, s: torch.Tensor, residual, weight, problem: Problem, scale) -> None:
     """The contract given the backend's reduced sum ``s``: residual bitwise, normed close, quant
     bitwise equal to arnorm.quant.quantize of the kernel's own normed values."""
-    h_ref, y_ref = add_rmsnorm(s, residual, weight, problem.eps, problem.weight_offset)
+    h_ref, y_ref = add_rmsnorm(
+        s, residual, weight, problem.eps, problem.weight_offset, problem.round_before_weight
+    )
     assert_bitwise(out.residual, h_ref, "residual")
     if problem.normed_output:
         assert_normed_close(out.normed, y_ref)
@@ -195,9 +201,10 @@ def rank_cases(
                 dist.all_reduce(s)
             scale = make_scale(quant, add_rmsnorm(s, residual, weight, 1e-6, offset)[1])
             x = partials[rank].clone()
-            config = Config(triton_exact=exact)
+            config = arnorm.Config(settings={"triton": {"exact": exact}})
             if via_op:
                 with arnorm.AllReduceNorm(
+                    dist.group.WORLD,
                     hidden_size=hidden, dtype=dtype, norm=arnorm.RMSNorm(1e-6, offset), quant=quant,
                     scale_layout=layout, max_tokens=64, backend="triton", inplace=inplace, config=config,
                     device=dev,
@@ -205,7 +212,7 @@ def rank_cases(
                     assert op.backend == "triton"
                     out = op(x, residual, weight, scale)
             else:
-                backend = make_backend(problem, Comm(dist.group.WORLD, dev), config)
+                backend = make_backend(problem, Comm(dist.group.WORLD, dev), exact=exact)
                 assert backend.exact == exact
                 out = backend(x, residual, weight, scale)
                 backend.close()

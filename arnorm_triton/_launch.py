@@ -1,0 +1,287 @@
+"""Launching the fused kernel: constexprs bound once per op, a launch configuration per token
+count, and a direct launch that skips Triton's per-call Python binding.
+
+Host cost per eager call is what an engine running without CUDA graphs pays every layer. Triton's
+``kernel[grid](...)`` re-binds and re-specializes every argument in Python (tens of microseconds);
+the compiled kernel's own launcher then calls ``data_ptr()`` and ``cuPointerGetAttribute`` on
+every tensor argument. :class:`FusedLauncher` instead, after :meth:`FusedLauncher.bind`, calls
+the compiled kernel's launcher (``CompiledKernel.run``, the call ``JITFunction.run`` ends with,
+identical in Triton 3.6 and 3.8) with plain integer pointers, which Triton's launcher takes as
+they are. A launch goes this way only while the specialization it was compiled for still holds
+(16-byte aligned pointers and row strides of the same divisibility, as Triton specializes them)
+and no launch hook (a profiler) is installed; anything else takes the ordinary ``kernel[grid]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import triton
+
+from arnorm_triton import _kernels as K
+from arnorm_triton._launch_table import launch_config
+from arnorm_triton._plugin import MAX_HIDDEN
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FusedLauncher", "LaunchConfig"]
+
+_log = logging.getLogger("arnorm.triton")
+
+
+class LaunchConfig(NamedTuple):
+    """How one launch is shaped; chosen per (H, T) by :func:`arnorm_triton._launch_table.launch_config`."""
+
+    num_warps: int
+
+
+class _Bound(NamedTuple):
+    """A compiled variant's launcher, ready to call."""
+
+    run: Callable[..., Any]
+    function: Any
+    packed: Any
+
+
+class FusedLauncher:
+    """Launches of :func:`arnorm_triton._kernels.fused_add_rmsnorm_quant_kernel` for one op.
+
+    ``itemsize``: bytes per element of the op's dtype. ``launch(x, res, w, scale, h, y, q, sf,
+    n_rows, x_stride, res_stride, h_stride)``: tensors in
+    the kernel's order; ``scale``, ``y``, ``q``, ``sf`` may be ``None`` when the variant does not
+    read or write them. The launch configuration is a function of ``n_rows`` alone (a fixed table),
+    so every TP rank launches the same grid for the same call.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        itemsize: int,
+        quant: str | None,
+        layout: str | None,
+        write_normed: bool,
+        num_partials: int,
+        eps: float,
+        weight_offset: float,
+        round_before_weight: bool = False,
+        soft: bool,
+        soft_fp8: bool,
+        pdl: bool = False,
+        arch: tuple[int, int] | None = None,
+        num_warps: int | None = None,
+    ) -> None:
+        if hidden > MAX_HIDDEN:
+            msg = f"hidden size: {hidden} (needs <= {MAX_HIDDEN})"
+            raise ValueError(msg)
+        block, group, vec = K.row_shape(hidden, quant, itemsize)
+        self.hidden = hidden
+        self.itemsize = itemsize
+        self.quant = quant
+        self.arch = arch
+        self.swizzled = layout == "swizzled_128x4" and quant in ("nvfp4", "mxfp8")
+        self.fixed_warps = num_warps
+        self.eps = float(eps)
+        self.weight_offset = float(weight_offset)
+        self.constexprs: dict[str, Any] = {
+            "HIDDEN": hidden,
+            "BLOCK": block,
+            "GROUP": group,
+            "VEC": vec,
+            "NUM_PARTIALS": num_partials,
+            "QUANT": K.QUANT_CODES[quant],
+            "SWIZZLED": self.swizzled,
+            "WRITE_NORMED": write_normed,
+            "ROUND_BEFORE_WEIGHT": round_before_weight,
+            "SOFT": soft,
+            "SOFT_FP8": soft_fp8,
+            "USE_PDL": pdl,
+        }
+        names = K.fused_add_rmsnorm_quant_kernel.arg_names
+        self._const_tail = tuple(self.constexprs[n] for n in names[names.index("HIDDEN") :])
+        # Triton specializes integer arguments divisible by 16: strides must keep that property.
+        self._div16 = hidden % 16 == 0
+        self._bound: dict[LaunchConfig, _Bound] = {}
+        self._by_rows: dict[int, tuple[_Bound | None, int]] = {}
+        self._get_stream: Callable[[int], int] | None = None
+        self._device_index = 0
+
+    # -- configuration ----------------------------------------------------------------------
+
+    def config(self, n_rows: int) -> LaunchConfig:
+        """The launch configuration for ``n_rows`` rows (a pure function of the op and ``n_rows``)."""
+        if self.fixed_warps is not None:
+            return LaunchConfig(self.fixed_warps)
+        c = self.constexprs
+        warps = launch_config(self.arch, c["BLOCK"], c["QUANT"], c["WRITE_NORMED"], self.itemsize, n_rows)
+        return LaunchConfig(warps)
+
+    def configs(self, max_rows: int) -> list[LaunchConfig]:
+        """Every distinct configuration used for 1 to ``max_rows`` rows."""
+        seen: dict[LaunchConfig, None] = {}
+        for t in _probe_counts(max_rows):
+            seen.setdefault(self.config(t))
+        return list(seen)
+
+    def grid_rows(self, n_rows: int) -> int:
+        """Programs to launch: T, plus one per 32 padding rows when swizzled scales need them."""
+        return n_rows + K.padding_programs(n_rows) if self.swizzled else n_rows
+
+    @property
+    def pdl(self) -> bool:
+        return bool(self.constexprs["USE_PDL"])
+
+    # -- launching --------------------------------------------------------------------------
+
+    def launch(
+        self,
+        x: torch.Tensor,
+        res: torch.Tensor,
+        w: torch.Tensor,
+        scale: torch.Tensor | None,
+        h: torch.Tensor,
+        y: torch.Tensor | None,
+        q: torch.Tensor | None,
+        sf: torch.Tensor | None,
+        n_rows: int,
+        x_stride: int,
+        res_stride: int,
+        h_stride: int,
+    ) -> Any:
+        """One launch over ``n_rows`` rows (returns the compiled kernel when launched ordinarily)."""
+        entry = self._by_rows.get(n_rows)
+        if entry is None:
+            entry = self._entry(n_rows)
+        bound = entry[0]
+        if bound is not None:
+            xp, rp, wp, hp = x.data_ptr(), res.data_ptr(), w.data_ptr(), h.data_ptr()
+            # y, q, sf are this backend's own allocations (always aligned); scale is not specialized.
+            if (
+                not (xp | rp | wp | hp) & 15
+                and self._strides_fit(x_stride, res_stride, h_stride)
+                and not _launch_hooks_active()
+            ):
+                bound.run(
+                    entry[1], 1, 1, self._get_stream(self._device_index), bound.function, bound.packed,  # type: ignore[misc]
+                    None, None, None, xp, rp, wp, hp if scale is None else scale.data_ptr(), hp,
+                    hp if y is None else y.data_ptr(), hp if q is None else q.data_ptr(),
+                    hp if sf is None else sf.data_ptr(), n_rows, x_stride, res_stride, h_stride, self.eps,
+                    self.weight_offset, *self._const_tail,
+                )  # fmt: skip
+                return None
+        cfg = self.config(n_rows)
+        return self._ordinary(cfg, (x, res, w, scale, h, y, q, sf), n_rows, x_stride, res_stride, h_stride)
+
+    def _entry(self, n_rows: int) -> tuple[_Bound | None, int]:
+        """The bound launcher (if any) and grid for ``n_rows``, cached per token count."""
+        entry = (self._bound.get(self.config(n_rows)), self.grid_rows(n_rows))
+        if self._bound:
+            self._by_rows[n_rows] = entry
+        return entry
+
+    def _ordinary(self, cfg: LaunchConfig, tensors: Sequence[Any], n_rows: int, *strides: int) -> Any:
+        import torch
+
+        h = tensors[4]
+        ptrs = [h if t is None else t for t in tensors]
+        # The kernel stores codes and block scales as bytes: fp8 outputs go in as uint8 views.
+        for i in (6, 7):
+            if ptrs[i].element_size() == 1 and ptrs[i].dtype is not torch.uint8:
+                ptrs[i] = ptrs[i].view(torch.uint8)
+        extra = {"launch_pdl": True} if self.pdl else {}
+        return K.fused_add_rmsnorm_quant_kernel[(self.grid_rows(n_rows),)](
+            *ptrs, n_rows, *strides, self.eps, self.weight_offset, num_warps=cfg.num_warps,
+            **extra, **self.constexprs,
+        )  # fmt: skip
+
+    def _strides_fit(self, xs: int, rs: int, hs: int) -> bool:
+        if self._div16:
+            return not (xs | rs | hs) & 15
+        return xs != 1 and rs != 1 and hs != 1
+
+    def _direct(self, bound: _Bound, ptrs: tuple[int, ...], n_rows: int, *strides: int) -> None:
+        assert self._get_stream is not None
+        args = (*ptrs, n_rows, *strides, self.eps, self.weight_offset, *self._const_tail)
+        stream = self._get_stream(self._device_index)
+        bound.run(self.grid_rows(n_rows), 1, 1, stream, bound.function, bound.packed, None, None, None, *args)
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def bind(self, tensors: Sequence[Any], outputs: Sequence[Any], n_rows: int, strides: tuple[int, int, int],
+             configs: Sequence[LaunchConfig]) -> bool:  # fmt: skip
+        """Compile each configuration through ``kernel[grid]``, bind its launcher, and keep it only
+        if a direct launch writes ``outputs`` bit for bit as the ordinary launch did. Synchronizes
+        (setup only). ``tensors`` = x, res, w, scale, h, y, q, sf must not alias (x and h distinct)
+        and be 16-byte aligned, as every tensor torch allocates is.
+        """
+        self._bound.clear()
+        self._by_rows.clear()
+        if K.INTERPRETED:
+            return False
+        try:
+            import torch
+            from triton.runtime import driver
+
+            dev = tensors[0].device
+            self._device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+            self._get_stream = driver.active.get_current_stream
+            for cfg in configs:
+                compiled = self._ordinary(cfg, tensors, n_rows, *strides)
+                first = [o.clone() for o in outputs]
+                bound = _Bound(compiled.run, compiled.function, compiled.packed_metadata)
+                for o in outputs:
+                    o.zero_()
+                ptrs = tuple((tensors[4] if t is None else t).data_ptr() for t in tensors)
+                self._direct(bound, ptrs, n_rows, *strides)
+                torch.cuda.synchronize(dev)
+                pairs = zip(first, outputs, strict=True)
+                if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs):
+                    _log.warning("triton: direct launch disagrees with kernel[grid]; using kernel[grid]")
+                    self._bound.clear()
+                    self._by_rows.clear()
+                    return False
+                self._bound[cfg] = bound
+            return True
+        except Exception as exc:  # any Triton API drift: fall back, never fail setup over speed
+            _log.warning(
+                "triton: direct launch unavailable (%s: %s); using kernel[grid]", type(exc).__name__, exc
+            )
+        self._bound.clear()
+        self._by_rows.clear()
+        return False
+
+    def unbind(self) -> None:
+        """Drop the direct launchers: every launch goes through ``kernel[grid]`` (benchmarks, tests)."""
+        self._bound.clear()
+        self._by_rows.clear()
+
+    @property
+    def fast(self) -> bool:
+        """Whether launches go straight to the compiled kernel's launcher."""
+        return bool(self._bound)
+
+
+def _probe_counts(max_rows: int) -> list[int]:
+    """Token counts that reach every bucket of the launch table: powers of two and their neighbours."""
+    counts = {1, max_rows}
+    p = 1
+    while p <= max_rows:
+        counts.update(c for c in (p - 1, p, p + 1) if 1 <= c <= max_rows)
+        p *= 2
+    return sorted(counts)
+
+
+#: ``triton.knobs`` (Triton >= 3.4), read per fast launch: a profiler's launch hook needs the slow path.
+_KNOBS: Any = getattr(triton, "knobs", None)
+
+
+def _launch_hooks_active() -> bool:
+    """Whether a launch-enter hook (a profiler such as proton) is installed. Since Triton 3.5 the
+    knob is a ``HookChain`` that is never ``None``; an empty chain means no hook."""
+    if _KNOBS is None:
+        return False
+    hook = _KNOBS.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -1,0 +1,50 @@
+"""Warps per row program, per (GPU family, row shape, format, outputs, token count): a fixed table.
+
+The rows are measured on real hardware (``benchmarks/gpu_kernel_round.sh`` runs
+``benchmarks/bench_norm_quant.py --tune``, which writes ``arnorm_triton/_launch_measured.py`` for
+the GPU it runs on). Every TP rank reads the same table for the same call, so every rank launches
+the same grid with the same warp count (the warp count changes the order of the sum of squares,
+so ranks must agree on it; they do, by construction). Token buckets are powers of two: a row
+``(t_max, warps)`` serves ``T <= t_max`` above the previous row's ``t_max``.
+"""
+
+from __future__ import annotations
+
+from arnorm_triton._launch_measured import MEASURED
+
+__all__ = ["TABLE", "TableKey", "default_num_warps", "launch_config"]
+
+#: ``(cuda major, BLOCK, QUANT code, WRITE_NORMED, itemsize)``; QUANT codes are
+#: :data:`arnorm_triton._kernels.QUANT_CODES` (0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4,
+#: 4 mxfp8).
+TableKey = tuple[int, int, int, bool, int]
+
+#: ``key -> ((t_max, num_warps), ...)`` ascending in ``t_max``; T beyond the last row, and keys not
+#: listed, use :func:`default_num_warps`.
+TABLE: dict[TableKey, tuple[tuple[int, int], ...]] = dict(MEASURED)
+
+
+def default_num_warps(block: int) -> int:
+    """Warps per row program: 8 to 16 elements per thread (4 warps up to 1024 lanes, 8 up to 4096,
+    16 at 8192, 32 at 16384). ptxas (SM 9.0) then needs 40-58 registers per thread for every
+    format, with no spills, which keeps 32 or more warps resident per SM for the loads in flight.
+    """
+    if block >= 16384:
+        return 32
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
+def launch_config(
+    arch: tuple[int, int] | None, block: int, quant: int, normed: bool, itemsize: int, n_rows: int
+) -> int:
+    """Warps for one launch: the table's row for ``n_rows`` on this GPU family, else the default."""
+    rows = TABLE.get((arch[0], block, quant, normed, itemsize)) if arch is not None else None
+    if rows:
+        for t_max, warps in rows:
+            if n_rows <= t_max:
+                return warps
+    return default_num_warps(block)

@@ -1,0 +1,546 @@
+"""The public op on one GPU: ``arnorm.AllReduceNorm`` at TP 1 (``arnorm.LOCAL``, auto selection)
+against FlashInfer's single-GPU fused add + RMSNorm (+ fp8 quant), where importable.
+
+Measured in one run, bf16, plain RMSNorm (FlashInfer's kernels are the plain norm):
+
+1. **Eager host time per call** at T = 1 (no CUDA graph: what an engine running eagerly pays per
+   layer): the public op, and a breakdown of where its time goes (the backend alone, the
+   launcher with outputs already allocated, one ``torch.empty``); FlashInfer with its output
+   preallocated (its API) and with a ``torch.empty`` of it per call.
+2. **CUDA-graph replay** of ``--calls`` back-to-back calls (launch gaps removed; median of
+   ``--replays``, microseconds per call) for every T, H and format, with and without the normed
+   output; programmatic dependent launch off for comparison at decode sizes.
+3. **Fraction of copy bandwidth** at T >= 8192: the bytes a variant must move over the best
+   device-to-device copy measured in the same run (a Triton copy kernel and torch's copies, read
+   + write; ``copy_`` alone is a memcpy that a graph runs well below the card's peak).
+
+Targets (issue 14), marked per row: eager within 1.2x of FlashInfer; graph replay at T <= 128 at
+or below FlashInfer (same outputs); NVFP4 (every format reported) >= 0.90 of copy bandwidth at
+T >= 8192. Writes ``public-op-<date>-<gpu>.md`` and ``.json`` to ``--out`` (default ``$OUT`` or
+``benchmarks/results``). ``--smoke``: CPU, Triton interpreter, tiny shapes, no timing claims (a
+test runs it so the script cannot rot). On the GPU host, from the repository root::
+
+    python benchmarks/bench_public_op.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+START = time.monotonic()
+EPS = 1e-6
+#: name -> (quant, scale layout)
+FORMATS: dict[str, tuple[str | None, str | None]] = {
+    "none": (None, None),
+    "fp8_static": ("fp8_static", None),
+    "fp8_per_token": ("fp8_per_token", None),
+    "nvfp4": ("nvfp4", "swizzled_128x4"),
+    "mxfp8": ("mxfp8", "linear"),
+}
+#: The FlashInfer kernel with the same outputs as an arnorm variant (format, normed output).
+FI_RIVAL = {("none", True): "fi_fused_add_rmsnorm", ("fp8_static", False): "fi_fused_add_rmsnorm_quant"}
+
+
+def elapsed() -> float:
+    return time.monotonic() - START
+
+
+# -- timing -----------------------------------------------------------------------------------
+
+
+class CudaDevice:
+    """Timing on the GPU: CUDA-graph replay and eager host time."""
+
+    smoke = False
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def graph_us(self, fn: Callable[[], Any], calls: int, replays: int) -> float:
+        """Median microseconds per call over ``replays`` replays of a graph of ``calls`` calls."""
+        cuda = self.torch.cuda
+        side = cuda.Stream()
+        side.wait_stream(cuda.current_stream())
+        with cuda.stream(side):
+            for _ in range(2):  # compiles and allocates outside the capture
+                fn()
+        cuda.current_stream().wait_stream(side)
+        cuda.synchronize()
+        graph = cuda.CUDAGraph()
+        with cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        cuda.synchronize()
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / calls)
+        del graph
+        return statistics.median(times)
+
+    def eager_us(self, fn: Callable[[], Any], iters: int) -> float:
+        """Host microseconds per call: the loop's time without waiting for the GPU (at T = 1 the
+        GPU finishes each call long before the host issues the next, so the host is the cost)."""
+        for _ in range(20):
+            fn()
+        self.sync()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+            self.sync()
+        return best
+
+
+class CpuDevice:
+    """``--smoke``: the same calls on CPU tensors, timed by a plain loop (no claims)."""
+
+    smoke = True
+
+    def __init__(self) -> None:
+        import torch
+
+        self.device = torch.device("cpu")
+
+    def sync(self) -> None:
+        return None
+
+    def graph_us(self, fn: Callable[[], Any], calls: int, replays: int) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    def eager_us(self, fn: Callable[[], Any], iters: int) -> float:
+        return self.graph_us(fn, iters, 1)
+
+
+def copy_bandwidth(dev: Any, nbytes: int) -> dict[str, float]:
+    """Device-to-device copies of ``nbytes``, bytes read + written per second, by each method."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    n = nbytes // 4
+    src = torch.randn(n, device=dev.device)
+    dst = torch.empty_like(src)
+    block = 4096
+    methods = {
+        "triton_copy": lambda: _copy[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=4),
+        "torch_copy_": lambda: dst.copy_(src),
+        "torch_mul_out": lambda: torch.mul(src, 1.0, out=dst),
+    }
+    out = {}
+    for name, fn in methods.items():
+        try:
+            out[name] = 2 * n * 4 / (dev.graph_us(fn, 5, 7) * 1e-6)
+        except Exception as exc:  # one method failing must not cost the others
+            print(f"copy {name} failed: {type(exc).__name__}: {exc}", flush=True)
+    return out
+
+
+def bytes_moved(t: int, h: int, fmt: str, normed: bool, elem: int = 2) -> int:
+    """Least bytes: read x, residual, weight (and the scale); write residual, normed, codes, scales."""
+    quant, layout = FORMATS[fmt]
+    total = 3 * t * h * elem + h * elem + (t * h * elem if normed else 0)
+    if quant in ("fp8_static", "fp8_per_token", "mxfp8"):
+        total += t * h
+    elif quant == "nvfp4":
+        total += t * h // 2
+    if quant == "fp8_per_token":
+        total += 4 * t
+    if quant in ("nvfp4", "mxfp8"):
+        k = h // (16 if quant == "nvfp4" else 32)
+        total += (t + 127) // 128 * 128 * ((k + 3) // 4 * 4) if layout == "swizzled_128x4" else t * k
+    return total + (4 if quant in ("fp8_static", "nvfp4") else 0)
+
+
+# -- the contenders -----------------------------------------------------------------------------
+
+
+class Inputs:
+    """bf16 inputs of one (T, H, format) and the fp32 scale the format takes."""
+
+    def __init__(self, dev: Any, t: int, h: int, fmt: str) -> None:
+        import torch
+
+        g = torch.Generator(device=dev.device).manual_seed(t * 7 + h)
+        d = dev.device
+        self.t, self.h, self.fmt = t, h, fmt
+        self.x = torch.randn((t, h), generator=g, device=d).to(torch.bfloat16)
+        self.r = torch.randn((t, h), generator=g, device=d).to(torch.bfloat16)
+        self.w = (torch.randn((h,), generator=g, device=d) * 0.1 + 1.0).to(torch.bfloat16)
+        scales = {"fp8_static": 0.02, "nvfp4": 448.0 * 6.0 / 8.0}
+        self.scale = torch.tensor([scales[fmt]], device=d) if fmt in scales else None
+
+
+def make_op(dev: Any, h: int, fmt: str, normed: bool, max_tokens: int, pdl: bool = True) -> Any:
+    import torch
+
+    import arnorm
+
+    quant, layout = FORMATS[fmt]
+    config = None if pdl else arnorm.Config(settings={"triton": {"pdl": False}})
+    return arnorm.AllReduceNorm(
+        arnorm.LOCAL, hidden_size=h, dtype=torch.bfloat16, norm=arnorm.RMSNorm(EPS), quant=quant,
+        scale_layout=layout, max_tokens=max_tokens, normed_output=normed, device=dev.device, config=config,
+    )  # fmt: skip
+
+
+def check_op(op: Any, inp: Inputs) -> str:
+    """One call against the contract: residual bitwise, normed within 1 ulp (bf16)."""
+    import torch
+
+    from arnorm.plugin import add_rmsnorm
+
+    x = inp.x.clone()
+    out = op(x, inp.r, inp.w, inp.scale)
+    h_ref, y_ref = add_rmsnorm(inp.x, inp.r, inp.w, EPS, 0.0)
+    if not torch.equal(out.residual, h_ref):
+        return "FAIL residual"
+    if out.normed is not None:
+        a, b = out.normed.view(torch.int16).int(), y_ref.view(torch.int16).int()
+        a, b = torch.where(a < 0, -(a & 0x7FFF), a), torch.where(b < 0, -(b & 0x7FFF), b)
+        if int((a - b).abs().max()) > 1:
+            return "FAIL normed"
+    return "ok"
+
+
+def flashinfer_module(args: argparse.Namespace) -> tuple[Any, str]:
+    """``(flashinfer.norm or None, version or why absent)``."""
+    if args.no_flashinfer:
+        return None, "not run (--no-flashinfer)"
+    try:
+        import flashinfer
+        import flashinfer.norm as fi
+
+        return fi, str(getattr(flashinfer, "__version__", "?"))
+    except Exception as exc:
+        return None, f"absent ({type(exc).__name__}: {str(exc)[:120]})"
+
+
+def fi_call(fi: Any, inp: Inputs, normed: bool, alloc_per_call: bool = False) -> Callable[[], Any] | None:
+    """FlashInfer's call with the outputs of the arnorm variant (``None`` where it has none)."""
+    import torch
+
+    if fi is None:
+        return None
+    x, r = inp.x.clone(), inp.r.clone()
+    if inp.fmt == "none" and normed:
+        return lambda: fi.fused_add_rmsnorm(x, r, inp.w, EPS)
+    if inp.fmt == "fp8_static" and not normed and hasattr(fi, "fused_add_rmsnorm_quant"):
+        q = torch.empty((inp.t, inp.h), dtype=torch.float8_e4m3fn, device=x.device)
+        if alloc_per_call:
+
+            def call() -> None:
+                out = torch.empty((inp.t, inp.h), dtype=torch.float8_e4m3fn, device=x.device)
+                fi.fused_add_rmsnorm_quant(out, x, r, inp.w, inp.scale, EPS)
+
+            return call
+        return lambda: fi.fused_add_rmsnorm_quant(q, x, r, inp.w, inp.scale, EPS)
+    return None
+
+
+# -- sections -----------------------------------------------------------------------------------
+
+
+def record(rows: list[dict], errors: dict, where: str, fn: Callable[[], float], **row: Any) -> float | None:
+    """Append ``row | {"us": fn()}``; a failure is recorded and the run goes on."""
+    try:
+        us = fn()
+    except Exception as exc:
+        errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(f"  {where} failed: {errors[where]}", flush=True)
+        return None
+    rows.append(row | {"us": round(us, 3)})
+    return us
+
+
+def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> None:
+    """Host time per eager call at T = 1, with the breakdown of arnorm's."""
+    import torch
+
+    rows, errors = report["eager"], report["errors"]
+    P = functools.partial
+    for h in args.hidden:
+        for fmt, normed in (("none", True), ("fp8_static", False), ("fp8_static", True)):
+            where = f"eager H={h} {fmt} normed={normed}"
+            inp = Inputs(dev, 1, h, fmt)
+            try:
+                op = make_op(dev, h, fmt, normed, max_tokens=64)
+            except Exception as exc:
+                errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                continue
+            x = inp.x.clone()
+            key = {"H": h, "format": fmt, "normed": normed}
+            args_ = (x, inp.r, inp.w, inp.scale)
+            path = f"arnorm.AllReduceNorm ({op.backend})"
+            record(rows, errors, where, P(dev.eager_us, P(op, *args_), args.iters), **key, path=path)
+            impl = getattr(op, "_table", [None, None])[1]  # the selected backend (private: a breakdown)
+            if impl is not None:
+                timer = P(dev.eager_us, P(impl, *args_), args.iters)
+                record(rows, errors, where + " backend", timer, **key, path="  backend call")
+                launcher = getattr(impl, "launcher", None)
+                if launcher is not None:
+                    y, q, sf = impl._alloc(1)
+                    call = P(launcher.launch, x, inp.r, inp.w, inp.scale, x, y, q, sf, 1, h, h, h)
+                    path = "  launcher, outputs preallocated" + ("" if launcher.fast else " (kernel[grid])")
+                    record(
+                        rows, errors, where + " launcher", P(dev.eager_us, call, args.iters), **key, path=path
+                    )
+            empty = P(torch.empty, (1, h), dtype=torch.bfloat16, device=dev.device)
+            path = "  one torch.empty((1, H))"
+            record(rows, errors, where + " empty", P(dev.eager_us, empty, args.iters), **key, path=path)
+            for alloc in (False, True):
+                call = fi_call(fi, inp, normed, alloc_per_call=alloc)
+                if call is not None:
+                    path = "flashinfer" + (
+                        " + torch.empty of its output" if alloc else " (output preallocated)"
+                    )
+                    timer = P(dev.eager_us, call, args.iters)
+                    record(rows, errors, f"{where} fi alloc={alloc}", timer, **key, path=path)
+            op.close()
+
+
+def graph_section(args: argparse.Namespace, dev: Any, fi: Any, bw: float, report: dict) -> None:
+    """Graph replay for every (H, format, normed, T); FlashInfer where it has the same outputs."""
+    rows, errors, checks = report["graph"], report["errors"], report["checks"]
+    P = functools.partial
+    variants = [(f, n) for f in args.formats for n in (True, False) if not (f == "none" and not n)]
+    for tokens in (args.small_tokens, args.large_tokens):
+        for h in args.hidden:
+            for fmt, normed in variants:
+                where = f"graph H={h} {fmt} normed={normed}"
+                if elapsed() > args.deadline:
+                    report["skipped"].append(f"{where} T={tokens} (deadline)")
+                    continue
+                try:
+                    op = make_op(dev, h, fmt, normed, max_tokens=max(args.large_tokens))
+                    t_check = min(7, max(args.large_tokens))
+                    checks[f"H={h} {fmt} normed={normed}"] = check_op(op, Inputs(dev, t_check, h, fmt))
+                except Exception as exc:
+                    errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    print(f"  {where} failed: {errors[where]}", flush=True)
+                    continue
+                for t in tokens:
+                    inp = Inputs(dev, t, h, fmt)
+                    call = P(op, inp.x.clone(), inp.r, inp.w, inp.scale)
+                    base = {"T": t, "H": h, "format": fmt, "normed": normed}
+                    base["bytes"] = bytes_moved(t, h, fmt, normed)
+                    timer = P(dev.graph_us, call, args.calls, args.replays)
+                    record(rows, errors, f"{where} T={t}", timer, **base, impl=f"arnorm ({op.backend})")
+                    rival = fi_call(fi, inp, normed)
+                    if rival is not None:
+                        timer = P(dev.graph_us, rival, args.calls, args.replays)
+                        record(rows, errors, f"{where} T={t} fi", timer, **base, impl=FI_RIVAL[(fmt, normed)])
+                op.close()
+                print(f"[{elapsed():6.1f}s] {where} T={tokens}", flush=True)
+    if elapsed() > args.deadline:
+        report["skipped"].append("pdl off (deadline)")
+        return
+    for h in args.hidden:
+        for fmt, normed in (("none", True), ("fp8_static", False)):
+            try:
+                op = make_op(dev, h, fmt, normed, max_tokens=max(args.small_tokens), pdl=False)
+            except Exception as exc:
+                errors[f"pdl off H={h} {fmt}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                continue
+            for t in args.small_tokens:
+                inp = Inputs(dev, t, h, fmt)
+                base = {
+                    "T": t,
+                    "H": h,
+                    "format": fmt,
+                    "normed": normed,
+                    "bytes": bytes_moved(t, h, fmt, normed),
+                }
+                timer = P(
+                    dev.graph_us, P(op, inp.x.clone(), inp.r, inp.w, inp.scale), args.calls, args.replays
+                )
+                record(
+                    rows,
+                    errors,
+                    f"pdl off H={h} {fmt} T={t}",
+                    timer,
+                    **base,
+                    impl=f"arnorm ({op.backend}, pdl off)",
+                )
+            op.close()
+
+
+def judge(report: dict, bw: float) -> None:
+    """Fill each arnorm row's verdict against the issue's targets."""
+    eager = report["eager"]
+    for r in eager:
+        if not r["path"].startswith("arnorm"):
+            continue
+        same = (r["H"], r["format"], r["normed"])
+        fi = [
+            e
+            for e in eager
+            if e["path"] == "flashinfer (output preallocated)" and (e["H"], e["format"], e["normed"]) == same
+        ]
+        if fi:
+            ratio = r["us"] / fi[0]["us"]
+            r["verdict"] = f"{ratio:.2f}x fi " + ("met" if ratio <= 1.2 else "MISSED (target 1.2x)")
+        else:
+            r["verdict"] = ""
+    graph = report["graph"]
+    for r in graph:
+        r["pct_bw"] = round(100.0 * r["bytes"] / (r["us"] * 1e-6) / bw, 1) if bw else 0.0
+        if not r["impl"].startswith("arnorm") or "pdl off" in r["impl"]:
+            r["verdict"] = ""
+            continue
+        notes = []
+        rival = FI_RIVAL.get((r["format"], r["normed"]))
+        same = [g for g in graph if g["impl"] == rival and (g["T"], g["H"]) == (r["T"], r["H"])]
+        if same and r["T"] <= 128:
+            ratio = r["us"] / same[0]["us"]
+            notes.append(f"{ratio:.2f}x fi " + ("met" if ratio <= 1.0 else "MISSED (target <= 1.0x)"))
+        if r["T"] >= 8192:
+            ok = r["pct_bw"] >= 90.0
+            target = "met" if ok else ("MISSED (target 90%)" if r["format"] == "nvfp4" else "below 90%")
+            notes.append(f"bw {r['pct_bw']:.0f}% {target}")
+        r["verdict"] = "; ".join(notes)
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# The public op at TP 1, {report['gpu']} ({report['date']})",
+        "",
+        f"torch {report['torch']}, triton {report['triton']}, flashinfer {report['flashinfer']}. bf16, plain "
+        f"RMSNorm, eps {EPS}. `arnorm.AllReduceNorm(arnorm.LOCAL, ...)` with auto selection.",
+        f"Copy bandwidth (best of {', '.join(f'{k} {v / 1e12:.2f}' for k, v in report['copy_bw'].items())} "
+        f"TB/s; read + write): {report['copy_bw_best'] / 1e12:.2f} TB/s.",
+    ]
+    if report["smoke"]:
+        lines += [
+            "",
+            "**Smoke run on CPU (Triton interpreter): the figures below are not timings of anything.**",
+        ]
+    lines += [
+        "",
+        "Correctness (one call, T = 7 or the largest T): "
+        + ", ".join(f"{k}: {v}" for k, v in report["checks"].items()),
+        "",
+    ]
+    lines += [f"Error: {k}: {v}" for k, v in report["errors"].items()]
+    lines += [f"Skipped: {s}" for s in report["skipped"]]
+    lines += ["", f"## Eager host time per call, T = 1 ({report['iters']} calls, best of 5)", ""]
+    lines += ["| H | format | normed out | path | us/call | verdict |", "|---:|---|---|---|---:|---|"]
+    for r in report["eager"]:
+        normed = "yes" if r["normed"] else "no"
+        lines.append(
+            f"| {r['H']} | {r['format']} | {normed} | {r['path']} | {r['us']:.2f} | {r.get('verdict', '')} |"
+        )
+    lines += [
+        "",
+        f"## CUDA-graph replay, {report['calls']} calls per graph, median of {report['replays']}",
+        "",
+    ]
+    lines += ["| T | H | format | normed out | impl | MB | us | % copy bw | verdict |"]
+    lines += ["|---:|---:|---|---|---|---:|---:|---:|---|"]
+    for r in sorted(
+        report["graph"], key=lambda r: (r["H"], list(FORMATS).index(r["format"]), not r["normed"], r["T"])
+    ):
+        normed = "yes" if r["normed"] else "no"
+        lines.append(
+            f"| {r['T']} | {r['H']} | {r['format']} | {normed} | {r['impl']} | {r['bytes'] / 1e6:.2f} | "
+            f"{r['us']:.2f} | {r['pct_bw']:.1f} | {r['verdict']} |"
+        )
+    missed = [r for r in report["eager"] + report["graph"] if "MISSED" in r.get("verdict", "")]
+    lines += ["", f"Targets missed: {len(missed)}. Run time {report['seconds']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no timing claims"
+    )
+    p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
+    p.add_argument("--replays", type=int, default=7)
+    p.add_argument("--iters", type=int, default=2000, help="eager calls per timing")
+    p.add_argument("--deadline", type=float, default=150.0, help="seconds; later graph rows are skipped")
+    p.add_argument("--no-flashinfer", action="store_true", help="do not import FlashInfer")
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    args = p.parse_args(argv)
+    args.hidden = [4096, 8192]
+    args.formats = list(FORMATS)
+    args.small_tokens, args.large_tokens = [1, 16, 128], [1024, 8192]
+    if args.smoke:
+        args.hidden, args.small_tokens, args.large_tokens = [256], [1, 3], [5]
+        args.calls, args.replays, args.iters = 2, 1, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton's kernels
+    import torch
+    import triton
+
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench_public_op: needs a CUDA GPU (or --smoke)")
+    dev: Any = CpuDevice() if args.smoke else CudaDevice()
+    fi, fi_version = flashinfer_module(args)
+    copies = copy_bandwidth(dev, 1 << 16 if args.smoke else 1 << 30)
+    bw = max(copies.values(), default=0.0)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; flashinfer {fi_version}", flush=True)
+    report: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": "CPU (smoke)" if args.smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "flashinfer": fi_version,
+        "smoke": args.smoke, "copy_bw": copies, "copy_bw_best": bw, "calls": args.calls,
+        "replays": args.replays, "iters": args.iters, "checks": {}, "errors": {}, "skipped": [],
+        "eager": [], "graph": [],
+    }  # fmt: skip
+    with torch.no_grad():
+        eager_section(args, dev, fi, report)
+        print(f"[{elapsed():6.1f}s] eager done", flush=True)
+        graph_section(args, dev, fi, bw, report)
+    report["seconds"] = elapsed()
+    judge(report, bw)
+    stem = f"public-op-{report['date']}-{report['gpu'].replace(' ', '-').replace('(', '').replace(')', '')}"
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(report)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(text)
+    print(f"wrote {out / stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

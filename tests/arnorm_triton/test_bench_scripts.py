@@ -1,0 +1,82 @@
+"""The GPU scripts' CPU smoke modes: every Python path of bench_public_op.py and bench_norm_quant.py
+runs (Triton interpreter, tiny shapes, a stand-in FlashInfer), so the scripts cannot rot between
+GPU runs."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+#: A stand-in for flashinfer.norm's two single-GPU fused kernels the benchmark compares against.
+FAKE_NORM = """
+import torch
+
+
+def _norm(x, r, w, eps):
+    r.copy_((x.float() + r.float()).to(r.dtype))
+    hf = r.float()
+    return hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps) * w.float()
+
+
+def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
+    input.copy_(_norm(input, residual, weight, eps).to(input.dtype))
+
+
+def fused_add_rmsnorm_quant(out, input, residual, weight, scale, eps=1e-6, enable_pdl=None):
+    out.copy_((_norm(input, residual, weight, eps) / scale).clamp(-448, 448).to(out.dtype))
+"""
+
+
+def _run(script: str, tmp_path: pathlib.Path, *extra: str) -> tuple[object, pathlib.Path]:
+    fake = tmp_path / "fi" / "flashinfer"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "0.0-fake"\n')
+    (fake / "norm.py").write_text(FAKE_NORM)
+    out = tmp_path / "out"
+    env = dict(os.environ, TRITON_INTERPRET="1", OUT="")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fi"), str(REPO), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out
+
+
+def test_bench_public_op_smoke(tmp_path):
+    """--smoke runs every section (eager breakdown, graph rows for every format, PDL off, FlashInfer
+    rows and verdicts) and writes the markdown and JSON tables without an error row."""
+    _, out = _run("bench_public_op.py", tmp_path)
+    (md,) = out.glob("public-op-*.md")
+    (js,) = out.glob("public-op-*.json")
+    text = md.read_text()
+    assert "flashinfer 0.0-fake" in text and "Smoke run on CPU" in text
+    assert "Error:" not in text and "Skipped:" not in text and "FAIL" not in text
+    for needle in ("launcher, outputs preallocated", "flashinfer (output preallocated)",
+                   "fi_fused_add_rmsnorm_quant", "pdl off", "x fi "):  # fmt: skip
+        assert needle in text, needle
+    for fmt in ("none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"):
+        assert f"| {fmt} | no |" in text or fmt == "none", fmt
+        assert f"| {fmt} | yes |" in text, fmt
+    assert js.stat().st_size > 0
+
+
+def test_bench_norm_quant_tune_smoke(tmp_path):
+    """--smoke compiles every candidate in worker processes, times them, and writes a launch-table
+    module that imports and has the table's key and row shapes; the tree's table is untouched."""
+    before = (REPO / "arnorm_triton" / "_launch_measured.py").read_text()
+    _, out = _run("bench_norm_quant.py", tmp_path)
+    assert "Error:" not in (next(out.glob("launch-table-*.md"))).read_text()
+    scope: dict = {}
+    exec((out / "_launch_measured.py").read_text(), scope)
+    for key, rows in scope["MEASURED"].items():
+        assert len(key) == 5 and isinstance(key[3], bool)
+        assert all(t_max >= 1 and warps >= 1 for t_max, warps in rows)
+        assert [t for t, _ in rows] == sorted(t for t, _ in rows)
+    assert (REPO / "arnorm_triton" / "_launch_measured.py").read_text() == before

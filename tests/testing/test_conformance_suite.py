@@ -1,0 +1,208 @@
+"""The conformance suite fails what it should fail and skips only what is merely ineligible here.
+
+One pytest subprocess runs the suite against the fixture backends of
+tests/plugins/conformance (each wrong in one known way), found through their entry point on
+PYTHONPATH; the outcome and message of every test are read from its JUnit XML report.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).resolve().parents[1] / "plugins" / "conformance"
+
+SUITES = """
+from arnorm.testing import ConformanceSuite
+
+
+class TestGood(ConformanceSuite):
+    backend = "cf_good"
+    world_sizes = (1, 2)
+
+
+class TestUnrounded(ConformanceSuite):
+    backend = "cf_unrounded"
+    world_sizes = (2,)
+
+
+class TestScaled(ConformanceSuite):
+    backend = "cf_scaled"
+    world_sizes = (1,)
+
+
+class TestQuantOff(ConformanceSuite):
+    backend = "cf_quant_off"
+    world_sizes = (1,)
+
+
+class TestBadImport(ConformanceSuite):
+    backend = "cf_bad_import"
+    world_sizes = (1,)
+
+
+class TestProbeRaises(ConformanceSuite):
+    backend = "cf_probe_raises"
+    world_sizes = (1,)
+
+
+class TestCreateFails(ConformanceSuite):
+    backend = "cf_create_fails"
+    world_sizes = (1,)
+
+
+class TestIncompatible(ConformanceSuite):
+    backend = "cf_incompatible"
+    world_sizes = (1,)
+
+
+class TestIncompatibleRequired(ConformanceSuite):
+    backend = "cf_incompatible"
+    world_sizes = (1,)
+    require = True
+
+
+class TestNotInstalled(ConformanceSuite):
+    backend = "cf_not_installed"
+    world_sizes = (1,)
+
+
+class TestNotInstalledRequired(ConformanceSuite):
+    backend = "cf_not_installed"
+    world_sizes = (1,)
+    require = True
+
+
+class TestUnregistered(ConformanceSuite):
+    backend = "cf_no_such_backend"
+    world_sizes = (1,)
+"""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """``{"TestClass.test_name[param]": (outcome, message)}`` from one run of SUITES."""
+    root = tmp_path_factory.mktemp("suite")
+    (root / "test_fixture_suites.py").write_text(SUITES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARNORM_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), env.get("PYTHONPATH", "")) if p)
+    xml = root / "report.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root)]
+    cmd += [f"--junitxml={xml}", str(root / "test_fixture_suites.py")]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert xml.exists(), f"pytest wrote no report (exit {proc.returncode}):\n{tail}"
+    out = {}
+    for case in ET.parse(xml).iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}.{case.get('name')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (node.get("message") or "") + "\n" + (node.text or "")
+        out[name] = (outcome, message)
+    return out
+
+
+def _outcomes(report, cls: str) -> dict[str, str]:
+    return {k.split(".", 1)[1]: v[0] for k, v in report.items() if k.startswith(cls + ".")}
+
+
+def _message(report, key: str) -> str:
+    return report[key][1]
+
+
+def test_correct_backend_passes_on_one_and_two_ranks(report):
+    """A correct backend passes every test at its world sizes; undeclared world sizes skip."""
+    assert _outcomes(report, "TestGood") == {
+        "test_declares_and_loads": "passed",
+        "test_matches_reference[1]": "passed",
+        "test_matches_reference[2]": "passed",
+        "test_matches_reference[4]": "skipped",
+        "test_bad_inputs_raise_everywhere_and_leave_op_usable": "passed",
+    }, report
+
+
+def test_unrounded_sum_fails_with_element_error_and_the_rounding_hint(report):
+    """Skipping the first rounding fails at 2 ranks; the message has ulps, |err|, the element and the hint."""
+    outcome, message = report["TestUnrounded.test_matches_reference[2]"]
+    assert outcome == "failed", message
+    assert "residual: " in message and " ulp off at [" in message, message
+    assert "(got " in message and ", expected " in message and "|err| " in message, message
+    assert "round the reduced sum to the dtype before the residual add" in message, message
+
+
+def test_wrong_normed_values_fail_with_ulps_abs_error_and_element(report):
+    """A normed output 3% off fails, naming the worst element's ulps, values and absolute error."""
+    outcome, message = report["TestScaled.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    assert "normed: " in message and " ulp off at [" in message and "allowed 1 ulp" in message, message
+    assert "|err| " in message and "max |err| " in message and "elements differ" in message, message
+    assert report["TestScaled.test_bad_inputs_raise_everywhere_and_leave_op_usable"][0] == "failed"
+
+
+def test_wrong_quant_codes_fail_with_the_code_and_element(report):
+    """Codes that are not arnorm.quant of the backend's own normed output fail with the worst code."""
+    outcome, message = report["TestQuantOff.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    assert "quant codes: " in message and "step(s) off at [" in message and "got code 0x" in message, message
+    assert "quant scales differ from arnorm.quant's: " in message and "first at [" in message, message
+
+
+@pytest.mark.parametrize(
+    ("cls", "expected"),
+    [
+        ("TestBadImport", "import: ImportError: arnorm_conformance_fixtures: compiled for another torch"),
+        ("TestProbeRaises", "probe: raised RuntimeError: probe crashed while reading the topology"),
+        ("TestCreateFails", "setup_failed: "),
+    ],
+)
+def test_broken_backend_is_a_failure_not_a_skip(report, cls, expected):
+    """A module that fails to import, a probe that raises or a create() that fails fails the suite."""
+    outcome, message = report[f"{cls}.test_matches_reference[1]"]
+    assert outcome == "failed" and expected in message, message
+    assert report[f"{cls}.test_bad_inputs_raise_everywhere_and_leave_op_usable"][0] == "failed"
+    assert "skipped" not in {o for k, o in _outcomes(report, cls).items() if k.endswith("[1]")}
+
+
+def test_import_failure_fails_the_load_test_too(report):
+    """test_declares_and_loads imports the backend class and fails with the import error."""
+    outcome, message = report["TestBadImport.test_declares_and_loads"]
+    assert outcome == "failed", message
+    assert "ImportError" in message and "compiled for another torch" in message, message
+
+
+def test_incompatible_backend_skips_with_its_reason(report):
+    """A backend merely ineligible here skips, and the skip message carries the probe's reason."""
+    outcome, message = report["TestIncompatible.test_matches_reference[1]"]
+    assert outcome == "skipped", message
+    assert "topology: this machine (needs one that does not exist)" in message, message
+    assert report["TestIncompatible.test_bad_inputs_raise_everywhere_and_leave_op_usable"][0] == "skipped"
+
+
+def test_not_installed_backend_skips_with_the_fix(report):
+    """A backend whose requirement is missing skips every test with the install command."""
+    outcomes = _outcomes(report, "TestNotInstalled")
+    assert set(outcomes.values()) == {"skipped"}, outcomes
+    assert "pip install 'arnorm[nothing]'" in _message(report, "TestNotInstalled.test_declares_and_loads")
+
+
+@pytest.mark.parametrize("cls", ["TestIncompatibleRequired", "TestNotInstalledRequired"])
+def test_required_backend_fails_instead_of_skipping(report, cls):
+    """With require = True, an absent or ineligible backend fails, saying that it must run here."""
+    outcome, message = report[f"{cls}.test_matches_reference[1]"]
+    assert outcome == "failed" and "require = True: it must run here" in message, message
+
+
+def test_unregistered_backend_fails(report):
+    """A misspelt or uninstalled backend name fails (it is not silently skipped)."""
+    outcome, message = report["TestUnregistered.test_declares_and_loads"]
+    assert outcome == "failed" and "'cf_no_such_backend' is not registered" in message, message
