@@ -18,6 +18,10 @@ import fake_backends
 from relia_harness import Ctx, attempt
 
 H, T, MAX_TOKENS = 32, 4, 8
+#: The op every scenario builds unless it says otherwise (CPU tensors, also on a GPU host).
+OP_ARGS: dict[str, Any] = dict(
+    hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=MAX_TOKENS, device="cpu"
+)
 
 
 def _paired(ctx: Ctx, op: arnorm.AllReduceNorm) -> bool:
@@ -33,8 +37,7 @@ def _paired(ctx: Ctx, op: arnorm.AllReduceNorm) -> bool:
 def build(ctx: Ctx, env: dict[int, dict[str, str]] | None = None, **kw: Any) -> tuple:
     """Set this rank's part of ``env``, build an op on the scenario's group, call it once, close it."""
     os.environ.update((env or {}).get(ctx.rank, {}))
-    args = dict(hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=MAX_TOKENS)
-    args.update(kw)
+    args = {**OP_ARGS, **kw}
 
     def run() -> tuple:
         with arnorm.AllReduceNorm(ctx.group, **args) as op:

@@ -63,6 +63,7 @@ def _op(case: dict, world_group: Any, backend: str, normed_output: bool) -> arno
         backend=backend,
         normed_output=normed_output,
         inplace=case["inplace"],
+        device="cpu",  # the interpreter for triton; CPU tensors also on a GPU host
     )
 
 

@@ -46,6 +46,7 @@ def _op(ctx: Ctx, quant: str | None, checked: bool) -> arnorm.AllReduceNorm:
         quant=quant,
         max_tokens=MAX_TOKENS,
         backend="reference",
+        device="cpu",
     )
 
 

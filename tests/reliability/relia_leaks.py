@@ -35,7 +35,7 @@ def _cycle(group: Any, i: int, backend: str | None) -> None:
     quant = (None, "fp8_per_token", "mxfp8")[i % 3]
     op = arnorm.AllReduceNorm(
         group, hidden_size=H, dtype=torch.bfloat16, norm=arnorm.RMSNorm(1e-6, 1.0), quant=quant,
-        max_tokens=4, backend=backend,
+        max_tokens=4, backend=backend, device="cpu",
     )  # fmt: skip
     x, r, w = torch.randn(3, H, dtype=torch.bfloat16), torch.randn(3, H, dtype=torch.bfloat16), torch.ones(H)
     op(x, r, w.bfloat16())
@@ -60,13 +60,12 @@ def measure(loop: Callable[[int], None], warm: int, n: int) -> tuple[dict[str, i
     return before, holdings()
 
 
-def leak_loops(rank: int, world: int, backends: list[str | None]) -> dict[str, tuple[dict, dict]]:
+def leak_loops(rank: int, world: int, backend: str, n: int) -> dict[str, tuple[dict, dict]]:
     """Every loop's (before, after) holdings on this rank: LOCAL ops, ops on WORLD, the fused cache."""
     import torch.distributed as dist
 
-    out = {}
-    for backend in backends:
-        out[f"local {backend}"] = measure(lambda i, b=backend: _cycle(arnorm.LOCAL, i, b), 6, 40)
-        out[f"world {backend}"] = measure(lambda i, b=backend: _cycle(dist.group.WORLD, i, b), 6, 40)
-    out["fused world"] = measure(lambda i: _fused(dist.group.WORLD, i), 24, 48)
-    return out
+    return {
+        f"local {backend}": measure(lambda i: _cycle(arnorm.LOCAL, i, backend), 6, n),
+        f"world {backend}": measure(lambda i: _cycle(dist.group.WORLD, i, backend), 6, n),
+        "fused world": measure(lambda i: _fused(dist.group.WORLD, i), 24, 48),
+    }

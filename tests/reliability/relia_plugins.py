@@ -21,7 +21,7 @@ import arnorm
 from arnorm.plugin import BackendSpec
 
 import fake_backends
-from relia_envs import MAX_TOKENS, H, _paired
+from relia_envs import OP_ARGS, H, _paired
 from relia_harness import Ctx, attempt
 
 #: Global ranks that misbehave in the current scenario.
@@ -136,10 +136,7 @@ def run(ctx: Ctx, cls: type, which: str, strict: bool = False, **env: str) -> tu
 
     def build() -> tuple:
         backend = cls.name if strict else None
-        op = arnorm.AllReduceNorm(
-            ctx.group, hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6),
-            max_tokens=MAX_TOKENS, backend=backend,
-        )  # fmt: skip
+        op = arnorm.AllReduceNorm(ctx.group, **OP_ARGS, backend=backend)
         try:
             v = op.explain().verdict(cls.name)
             return op.explain().chain, (v.status, v.reasons), _paired(ctx, op)
@@ -161,9 +158,7 @@ def _import_exit(ctx: Ctx) -> tuple:
     _install("badimport", "relia_badimport:Backend")
 
     def build() -> tuple:
-        with arnorm.AllReduceNorm(
-            ctx.group, hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=MAX_TOKENS
-        ) as op:
+        with arnorm.AllReduceNorm(ctx.group, **OP_ARGS) as op:
             v = op.explain().verdict("badimport")
             return op.explain().chain, (v.status, v.reasons), _paired(ctx, op)
 
@@ -177,20 +172,14 @@ def _close(ctx: Ctx, which: str, error: type[BaseException]) -> tuple:
     BAD.update(_ranks(ctx, which))
     RaisingClose.error = error
     _install(RaisingClose.name, f"{__name__}:RaisingClose")
-    op = arnorm.AllReduceNorm(
-        ctx.group, hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=MAX_TOKENS,
-        backend="raisingclose",
-    )  # fmt: skip
+    op = arnorm.AllReduceNorm(ctx.group, **OP_ARGS, backend="raisingclose")
     first = _paired(ctx, op)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         closed = attempt(op.close)
     warned = any("cannot free the workspace" in str(w.message) for w in seen)
     after = attempt(lambda: op(torch.zeros(2, H), torch.zeros(2, H), torch.ones(H)))
-    with arnorm.AllReduceNorm(
-        ctx.group, hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=MAX_TOKENS,
-        backend="fast",
-    ) as again:  # fmt: skip
+    with arnorm.AllReduceNorm(ctx.group, **OP_ARGS, backend="fast") as again:
         second = _paired(ctx, again)
     return closed, warned, after, first and second
 

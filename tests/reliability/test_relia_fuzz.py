@@ -87,10 +87,10 @@ def check(world: int, drawn: list[dict], backend: str, env: dict[str, str] | Non
     )
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_reference_meets_the_contract_on_random_cases(world):
-    """64 random cases per world size: residual bitwise, normed within the interval, quant bitwise."""
-    check(world, draw(cases(small=False), 64), "reference")
+@pytest.mark.parametrize(("world", "n"), [(2, 64), (4, 40)])
+def test_reference_meets_the_contract_on_random_cases(world, n):
+    """64 / 40 random cases at TP 2 / 4: residual bitwise, normed within the interval, quant bitwise."""
+    check(world, draw(cases(small=False), n), "reference")
 
 
 @pytest.mark.parametrize(
@@ -99,9 +99,9 @@ def test_reference_meets_the_contract_on_random_cases(world):
     ids=["tp2-exact", "tp4-exact", "tp2-all_reduce"],
 )
 def test_triton_in_the_interpreter_meets_the_contract_on_random_cases(world, exact):
-    """10 tiny cases per mode: residual bitwise (a two-term all-reduce rounds once), normed, quant."""
+    """8 tiny cases per mode: residual bitwise (a two-term all-reduce rounds once), normed, quant."""
     why = triton_unavailable()
     if why:
         pytest.skip(f"triton backend not eligible on this checkout: {why}")
     env = {"TRITON_INTERPRET": "1", "ARNORM_TRITON_EXACT": "1" if exact else "0"}
-    check(world, draw(cases(small=True), 10), "triton", env=env)
+    check(world, draw(cases(small=True), 8), "triton", env=env)
