@@ -123,15 +123,16 @@ def agree_call(
     and raise the same error on every rank when they differ or any rank rejects its arguments."""
 
     def fingerprint(t: Any) -> Any:
-        if not hasattr(t, "shape"):
+        try:
+            return f"{list(t.shape)} {t.dtype} {t.device.type}"
+        except Exception:  # not a tensor, or one without sizes (nested)
             return type(t).__name__
-        return f"{list(t.shape)} {t.dtype} {t.device.type}"
 
     try:
         check_call(rules, hidden_states, residual, weight, scale)
         error = ""
-    except InvalidInputError as exc:
-        error = str(exc)
+    except Exception as exc:  # whatever it is, every rank must learn of it before the collective
+        error = str(exc) if isinstance(exc, InvalidInputError) else f"{type(exc).__name__}: {exc}"
     mine = (seq, fingerprint(hidden_states), fingerprint(residual), fingerprint(weight), scale is None, error)
     seen = comm.gather_objects(mine)
     if all(s == seen[0] for s in seen) and not error and not any(s[-1] for s in seen):

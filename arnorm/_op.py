@@ -227,14 +227,20 @@ class AllReduceNorm:
                config: Any) -> None:  # fmt: skip
         import torch
 
-        dev = resolve_device(device)
-        comm = Comm.resolve(tp_group, dev, cpu_group)
-        registry = get_registry()
-        # Everything below may fail on one rank only: the failure travels in the first gather,
-        # so every rank raises the same error instead of leaving the others waiting.
+        # Everything that may fail on one rank only travels in the first gather, so every rank
+        # raises the same error instead of leaving the others waiting. The groups themselves must
+        # be right before anything can be gathered: a bad group raises here, on that rank.
         error: ArnormError | None = None
         facts: dict[str, Any] = {}
         try:
+            dev = resolve_device(device)
+        except ArnormError as exc:
+            error, dev = exc, torch.device("cpu")
+        comm = Comm.resolve(tp_group, dev, cpu_group)
+        registry = get_registry()
+        try:
+            if error is not None:
+                raise error
             problem = build_problem(
                 comm.world_size, hidden_size=hidden_size, dtype=dtype, norm=norm, quant=quant,
                 scale_layout=scale_layout, max_tokens=max_tokens, normed_output=normed_output,

@@ -47,10 +47,12 @@ def _run(cls: Any, problem: Problem, device: Any, out: list[Any]) -> None:
 
             torch.cuda.set_device(device)
         result = cls.probe(problem)
-        if isinstance(result, str) or not all(isinstance(r, str) for r in result):
+        # One pass over the result: a probe written with ``yield`` is read once, not consumed twice.
+        reasons = None if isinstance(result, str) else tuple(result)
+        if reasons is None or not all(isinstance(r, str) for r in reasons):
             msg = f"probe returned {result!r} (needs a sequence of reason strings)"
             raise TypeError(msg)
-        out.append(("ok", tuple(result)))
+        out.append(("ok", reasons))
     except BaseException as exc:  # a probe must return reasons; a raising one is broken
         if isinstance(exc, KeyboardInterrupt):
             out.append(("interrupt", exc))

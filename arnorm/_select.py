@@ -276,6 +276,8 @@ def _build(
             error = why
         else:
             instance = cls.create(problem, comm, settings)
+            if instance is None:
+                error = "setup: create() returned None (needs the backend instance)"
     except ArnormError as exc:  # the backend's own reason, already in the grammar
         error = f"setup: {exc}"
     except BaseException as exc:  # setup of a third-party backend may raise anything

@@ -87,6 +87,9 @@ def _check_tensor(arg: str, t: object, rules: CallRules) -> torch.Tensor:
 
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{arg}: {type(t).__name__} (needs a torch.Tensor)")
+    if t.layout != torch.strided or t.is_nested:
+        layout = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        raise InvalidInputError(f"{arg}: layout {layout} (needs a dense torch.strided tensor)")
     if t.dtype != rules.dtype:
         raise InvalidInputError(f"{arg}: dtype {t.dtype} (needs {rules.dtype}, the op's dtype)")
     if t.device != rules.device:

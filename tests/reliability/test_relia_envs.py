@@ -14,11 +14,6 @@ pytestmark = pytest.mark.slow
 WORLDS = (2, 4)
 AGREE = "(needs the same arguments, ARNORM_* settings and Config on every rank)"
 
-DEVICE_BUG = (
-    "core bug: arnorm/_op.py AllReduceNorm._build calls resolve_device(device) (and Comm.resolve) before "
-    "the try block whose errors travel in the agreement gather, so a device rejected on one rank raises "
-    "there alone and the other ranks wait in agree()'s gather_objects until the group times out"
-)
 
 #: scenario -> (outcome kind, expected): "chain" wants the same chain everywhere and the regex in the
 #: explanation; "error" wants the same (type, message regex) everywhere. {last} is the last rank.
@@ -55,8 +50,7 @@ EXPECT: dict[str, tuple[str, tuple]] = {
 def _params() -> list:
     out = []
     for name in EXPECT:
-        marks = [pytest.mark.xfail(strict=True, reason=DEVICE_BUG)] if name == "device_meta_on_last" else []
-        out.append(pytest.param(name, marks=marks, id=name))
+        out.append(pytest.param(name, id=name))
     return out
 
 

@@ -15,16 +15,6 @@ pytestmark = pytest.mark.slow
 
 WORLDS = (2, 4)
 
-NO_STORAGE_BUG = (
-    "core bug: arnorm/_validate.py check_call raises RuntimeError, not InvalidInputError, for a tensor "
-    "without strides or sizes (sparse CSR: t.stride() in _rows_ok; nested: hs.shape after _check_tensor)"
-)
-CHECKED_HANG_BUG = (
-    "core bug: arnorm/_call.py agree_call catches only InvalidInputError from check_call, so the "
-    "RuntimeError of a sparse CSR tensor escapes on that rank before the fingerprint gather and the "
-    "other ranks wait in gather_objects until the group times out"
-)
-
 
 def outcomes(world: int, name: str) -> list:
     return harness.outcomes(world, "relia_inputs", name)
@@ -35,11 +25,7 @@ def _cases(mode: str) -> list:
     for kind in ri.KINDS:
         if f"{mode}:{kind}" not in ri.SCENARIOS:
             continue
-        marks = []
-        if kind in ri.NO_STORAGE:
-            bug = CHECKED_HANG_BUG if mode == "one_checked" else NO_STORAGE_BUG
-            marks.append(pytest.mark.xfail(strict=True, reason=bug))
-        out.append(pytest.param(kind, marks=marks, id=kind))
+        out.append(pytest.param(kind, id=kind))
     return out
 
 

@@ -13,16 +13,6 @@ pytestmark = pytest.mark.slow
 
 WORLDS = (2, 4)
 
-GENERATOR_BUG = (
-    "core bug: arnorm/_probe.py _run() checks all(isinstance(r, str) for r in result), which consumes a "
-    "generator (a probe written with yield), then keeps tuple(result) == (): the yielded reasons are lost "
-    "and the backend is selected although its probe rejected the problem"
-)
-NONE_CREATE_BUG = (
-    "core bug: arnorm/_select.py select(): when create() returns None on every rank, _build reports no "
-    "failure and served == [], so `if not any(served[1:])` calls impl.close() on None and AttributeError "
-    "escapes AllReduceNorm() instead of a setup_failed verdict and a fallback"
-)
 #: Auto mode: scenario -> (verdict status, reason start, whose reason: "one" is prefixed with the
 #: misbehaving rank, "all" and "none" are not).
 AUTO: dict[str, tuple[str, str, str]] = {
@@ -36,9 +26,8 @@ AUTO: dict[str, tuple[str, str, str]] = {
     "probe_slow_all": ("broken", "probe: no answer in 0.3 s (needs a probe that returns within", "all"),
     "import_exit_one": ("broken", "import: SystemExit: no driver on this rank (needs a working", "one"),
     "create_exit_one": ("setup_failed", "setup: SystemExit: workspace (needs a successful", "one"),
-    # A create() returning None on one rank: rejected, though the reason speaks of token counts.
-    "create_none_one": ("setup_failed", "tokens: no count served by every rank", "none"),
-    "create_none_all": ("setup_failed", "setup: ", "all"),
+    "create_none_one": ("setup_failed", "setup: create() returned None (needs the backend instance)", "one"),
+    "create_none_all": ("setup_failed", "setup: create() returned None (needs the backend instance)", "all"),
     "tokens_exit_one": ("setup_failed", "check_tokens: raised SystemExit: budget (needs", "one"),
     "tokens_and_close_raise": ("setup_failed", "check_tokens: raised SystemExit: budget (needs", "one"),
 }
@@ -48,7 +37,7 @@ STRICT: dict[str, tuple[str, str]] = {
     "create_exit_strict": ("BackendSetupError", "backend 'exitcreate' (from argument) cannot serve"),
     "tokens_exit_strict": ("BackendSetupError", "backend 'exittokens' (from argument) cannot serve"),
 }
-XFAILS = {"probe_generator_one": GENERATOR_BUG, "create_none_all": NONE_CREATE_BUG}
+XFAILS: dict[str, str] = {}
 
 
 def _params(names) -> list:
