@@ -459,7 +459,11 @@ class AllReduceNorm:
         for name, impl in zip(self._explanation.chain, self._chain, strict=True):
             if impl is served:
                 break
-            skipped.append((name, tuple(impl.check_tokens(t))))
+            # Counts are served only where every rank serves them: this rank may have said yes.
+            reasons = tuple(impl.check_tokens(t)) or (
+                f"tokens: {t} (served on this rank, not on every rank)",
+            )
+            skipped.append((name, reasons))
         backend = None if served is None else self._explanation.chain[self._chain.index(served)]
         return dataclasses.replace(
             self._explanation, num_tokens=t, token_backend=backend, token_reasons=tuple(skipped)

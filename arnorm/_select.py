@@ -220,7 +220,9 @@ def agreement_facts(
     problem: Problem, pref: Preference, config: Config, settings: dict[str, BackendSettings]
 ) -> dict[str, Any]:
     """What every rank must have identically (``Config.disable`` excepted)."""
-    facts: dict[str, Any] = {f: getattr(problem, f) for f in Problem.__dataclass_fields__}
+    # The installed backends first: a plugin missing on some rank is then named as the cause.
+    facts: dict[str, Any] = {"installed backends": tuple(sorted(settings))}
+    facts.update({f: getattr(problem, f) for f in Problem.__dataclass_fields__})
     facts["backend preference"] = (pref.names, pref.source)
     facts.update(
         {f"Config.{k}": v for k, v in config.model_dump().items() if k not in ("disable", "settings")}
@@ -331,8 +333,9 @@ def select(
         if v.status != "eligible":
             continue
         if chain and all(i >= 0 for i in table[1:]):
+            served_by = f"{names[0]} serves" if len(names) == 1 else f"{' + '.join(names)} serve"
             final[v.backend] = replace(
-                v, status="unprobed", reasons=(f"not probed: {names[0]} serves every token count",)
+                v, status="unprobed", reasons=(f"not probed: {served_by} every token count",)
             )
             continue
         spec = registry.get(v.backend).spec  # type: ignore[union-attr]

@@ -29,13 +29,22 @@ EXPECT: dict[str, tuple[str, tuple]] = {
     "probe_timeout_differs": ("error", ("InvalidInputError", r"^ranks disagree on Config.probe_timeout")),
     "check_calls_on_last": ("error", ("InvalidInputError", r"^ranks disagree on Config.check_calls")),
     "check_calls_malformed": ("error", ("ConfigError", r"^rank {last}: ARNORM_CHECK_CALLS: 'maybe'")),
-    "setting_differs": ("error", ("InvalidInputError", r"^ranks disagree on settings of fast")),
+    "setting_differs": (
+        "error",
+        ("InvalidInputError", r"^ranks disagree on (installed backends, )?settings of fast"),
+    ),
     "setting_malformed": ("error", ("ConfigError", r"^rank {last}: ARNORM_FAST_EXACT: 'perhaps'")),
     # A plugin installed on rank 0 only: today the agreed settings catch it first, so every rank
     # raises the same error naming the plugin (the merged verdict's "not registered on this rank"
     # is not reached); either that or an agreed fallback would be safe.
-    "plugin_on_0_auto": ("error", ("InvalidInputError", r"^ranks disagree on settings of fast")),
-    "plugin_on_0_strict": ("error", ("InvalidInputError", r"^ranks disagree on settings of fast")),
+    "plugin_on_0_auto": (
+        "error",
+        ("InvalidInputError", r"^ranks disagree on installed backends, settings of fast"),
+    ),
+    "plugin_on_0_strict": (
+        "error",
+        ("InvalidInputError", r"^ranks disagree on installed backends, settings of fast"),
+    ),
     "hidden_zero_on_last": ("error", ("InvalidInputError", r"^rank {last}: hidden_size: 0 \(needs")),
     "norm_wrong_on_last": ("error", ("InvalidInputError", r"^rank {last}: norm: str \(needs")),
     "backend_arg_wrong_on_last": ("error", ("InvalidInputError", r"^rank {last}: backend: 123 \(needs")),
