@@ -39,13 +39,14 @@ def emulate_call(
     two_shot: bool = False,
     zero_copy: bool = False,
     slots: int = 4,
-    soft_fp8: bool = True,
+    soft_fp8: bool | None = None,
     workspaces: list[Any] | None = None,
 ) -> tuple[list[Output], list[Any]]:
     """Run one call on ``len(partials)`` emulated ranks; ``(outputs per rank, workspaces)``.
 
     ``residual``: one tensor for every rank or one per rank. ``workspaces`` from an earlier call
-    are reused (their contents stay, as on a GPU). ``soft`` casts follow the interpreter.
+    are reused (their contents stay, as on a GPU). Integer-bit casts in the interpreter; on a GPU,
+    ``soft_fp8`` picks the e4m3 conversion (default: the hardware's).
     """
     import torch
 
@@ -54,7 +55,9 @@ def emulate_call(
     world = len(partials)
     t, h = partials[0].shape
     dtype = partials[0].dtype
-    residuals = list(residual) if isinstance(residual, (list, tuple)) else [residual] * world
+    residuals: list[torch.Tensor] = (
+        list(residual) if isinstance(residual, (list, tuple)) else [residual] * world  # type: ignore[list-item]
+    )
     if workspaces is None:
         lay = plan_layout(world=world, slots=slots, hidden=h, itemsize=dtype.itemsize, max_tokens=t,
                           max_bytes=1 << 40, oneshot_max=0 if two_shot else t)  # fmt: skip
@@ -72,9 +75,9 @@ def emulate_call(
             weight_offset=weight_offset,
             round_before_weight=round_before_weight,
             soft=INTERPRETED,
-            soft_fp8=soft_fp8 or INTERPRETED,
+            soft_fp8=INTERPRETED if soft_fp8 is None else soft_fp8 or INTERPRETED,
             sync=False,
-        )  # fmt: skip
+        )
         for ws in workspaces
     ]
     calls = []

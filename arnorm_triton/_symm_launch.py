@@ -4,6 +4,7 @@ rank-dependent grid would leave a program waiting for a peer program that never 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from arnorm_triton import _kernels as K
@@ -95,7 +96,9 @@ class SymmLauncher:
         copy_in: bool,
         end_wait: bool,
         stage: int = 0,
+        warmup: bool = False,
     ) -> Any:
+        """One launch over ``n_rows`` rows; ``warmup=True`` compiles the variant without running it."""
         import torch
 
         ws = self.workspace
@@ -105,7 +108,14 @@ class SymmLauncher:
         for i in (6, 7):
             if ptrs[i].element_size() == 1 and ptrs[i].dtype is not torch.uint8:
                 ptrs[i] = ptrs[i].view(torch.uint8)
-        return S.symm_allreduce_norm_kernel[(self.grid(n_rows),)](
+        kernel = S.symm_allreduce_norm_kernel
+        if warmup:
+            if not hasattr(kernel, "warmup"):  # the interpreter compiles nothing
+                return None
+            launch = functools.partial(kernel.warmup, grid=(self.grid(n_rows),))
+        else:
+            launch = kernel[(self.grid(n_rows),)]
+        return launch(
             *ptrs, ws.peers, ws.epochs, ws.error, n_rows, x_stride, res_stride, h_stride, self.eps,
             self.weight_offset, ws.rank, lay.in_off, lay.sum_off, self.spin_limit,
             TWO_SHOT=two_shot, COPY_IN=copy_in, END_WAIT=end_wait, STAGE=stage, num_warps=self.num_warps,

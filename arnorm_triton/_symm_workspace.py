@@ -11,9 +11,10 @@ rank r's program ``b`` only (docs/triton-symm.md, "Protocol"). ``slots`` is the 
 programs the kernels may launch (rows map to programs as ``t % slots`` in every call).
 
 :class:`SymmWorkspace` holds what the kernel needs on the device: the table of every rank's buffer
-address, this rank's per-program call counters and its timeout word. :func:`allocate` builds one
-over torch symmetric memory; :func:`emulated` builds ``world`` of them in one process over plain
-tensors (the CPU tests: the kernel cannot tell the difference, the synchronization is compiled out).
+address, this rank's per-program call counters and its timeout word. :func:`allocate_buffer` and
+:func:`join` build one over torch symmetric memory; :func:`emulated` builds ``world`` of them in
+one process over plain tensors (the CPU tests: the kernel cannot tell the difference, the
+synchronization is compiled out).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ __all__ = [
     "KINDS",
     "Layout",
     "SymmWorkspace",
-    "allocate",
+    "allocate_buffer",
     "emulated",
+    "join",
     "plan_layout",
 ]
 
@@ -194,17 +196,21 @@ def _rendezvous(buffer: Any, group: Any) -> Any:
             return symm_mem.rendezvous(buffer, group.group_name)
 
 
-def allocate(
-    layout: Layout, dtype: torch.dtype, group: Any, device: torch.device, rank: int
-) -> SymmWorkspace:
-    """This rank's workspace over torch symmetric memory: ``symm_mem.empty`` + ``rendezvous`` on the
-    TP ``group`` (collective over it). The flags are zeroed here; the caller must make sure every
-    rank has zeroed its flags (synchronize + a CPU barrier) before any kernel runs."""
+def allocate_buffer(layout: Layout, device: torch.device) -> torch.Tensor:
+    """This rank's buffer from ``symm_mem.empty`` (local), its flags zeroed."""
     import torch
     from torch.distributed import _symmetric_memory as symm_mem
 
     buffer = symm_mem.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     buffer[: layout.flags_bytes].zero_()
+    return buffer
+
+
+def join(buffer: torch.Tensor, layout: Layout, dtype: torch.dtype, group: Any, rank: int) -> SymmWorkspace:
+    """Rendezvous ``buffer`` on the TP ``group`` (collective over it) and build this rank's view.
+
+    The caller must make sure every rank has zeroed its flags (synchronize + a CPU barrier) before
+    any kernel runs."""
     handle = _rendezvous(buffer, group)
     addresses = [int(a) for a in handle.buffer_ptrs]
     if len(addresses) != layout.world:
