@@ -204,7 +204,7 @@ class TritonSymmBackend:
         return self
 
     def _warm_up(self) -> None:
-        """Compile every kernel variant a call can take, then run each once on every rank (the JIT
+        """Compile the kernels, then run every variant a call can take once on every rank (the JIT
         cost and module loads stay out of the step and out of graph captures)."""
         import torch
 
@@ -217,14 +217,18 @@ class TritonSymmBackend:
         scale = torch.tensor([0.5], dtype=torch.float32, device=comm.device)
         variants = self._variants()
 
-        def compile_all() -> None:
-            for two, copy_in, end_wait in variants:
-                self._launch(x.clone(), res, w, scale, two, copy_in, end_wait, warmup=True)
+        def compile_all() -> None:  # one kernel serves every variant (runtime flags)
+            two, copy_in, end_wait = variants[0]
+            self._launch(x.clone(), res, w, scale, two, copy_in, end_wait, warmup=True)
+            self._launcher.wait_done(warmup=True)
 
+        # Compiled on every rank before any rank runs a kernel that waits for its peers: a rank
+        # whose compile fails makes every rank raise instead of leaving its peers spinning.
         _collective_step(comm, "kernel compile", compile_all)
         for two, copy_in, end_wait in variants:  # copy-in without end-wait first: see _variants
             src = x.clone() if copy_in else self._workspace().inputs(t).copy_(x)
             self._launch(src, res, w, scale, two, copy_in, end_wait)
+        self._launcher.wait_done()
         torch.cuda.synchronize(comm.device)
         errors = comm.gather_objects(self._timeouts())
         if any(errors):

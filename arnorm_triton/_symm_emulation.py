@@ -91,7 +91,7 @@ def emulate_call(
             h_out = x if inplace else torch.empty((t, h), dtype=dtype, device=x.device)
         y, q, sf = plan.alloc(t)
         calls.append((x, h_out, y, q, sf))
-    for stage in (1, 2, 3) if two_shot else (1, 2):
+    for stage in (1, 2, 3):
         for r, launcher in enumerate(launchers):
             x, h_out, y, q, sf = calls[r]
             launcher.launch(x, residuals[r], weight, scale, h_out, y, q, sf, t, x.stride(0) if t > 1 else h,

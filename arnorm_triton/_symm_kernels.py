@@ -19,16 +19,18 @@ One-shot, program ``b``:
 1. (copy-in) wait DONE >= e - 1 (every peer has finished reading the previous call's rows from
    this buffer), copy this rank's rows into its inputs region; signal READY; wait READY >= e.
 2. for each row: ``s = D(sum_r fp32(inputs_r[t]))`` from rank 0 up; the epilogue.
-3. signal DONE; with ``END_WAIT`` (zero-copy input in use) wait DONE >= e before exiting, so the
+3. signal DONE; with ``end_wait`` (zero-copy input in use) wait DONE >= e before exiting, so the
    next writer of the inputs region (the caller's GEMM) cannot overwrite rows a peer still reads.
 
 Two-shot: 1 as above; 2: this rank reduces the rows of program ``b`` that it owns
 (``owner(t) = (t % SLOTS + t // SLOTS) % W``) into its sums region, signal SUMS, wait SUMS >= e;
 3: every row's ``s`` from its owner's sums region, the epilogue; then DONE as above.
 
-``SYNC=False`` compiles every flag operation out and ``STAGE`` runs one part only (1, 2, or 3 for
-two-shot): the CPU tests run each emulated rank's stage 1, then each rank's stage 2, and so on,
-which is exactly the order the flags enforce. ``STAGE=0`` runs the whole kernel.
+``SYNC=False`` compiles every flag operation out and ``STAGE`` runs one part only (1: publish,
+2: one-shot sums and epilogue or two-shot reduction, 3: two-shot epilogue and the call's end):
+the CPU tests run each emulated rank's stage 1, then each rank's stage 2, then stage 3, which is
+exactly the order the flags enforce. ``STAGE=0`` runs the whole kernel. The kind (one-/two-shot),
+copy-in and end-wait are runtime flags, so one compiled kernel serves every call of an op.
 """
 
 from __future__ import annotations
@@ -104,9 +106,12 @@ def _rank_order_sum(peers_ptr, in_off, row64, offs, mask, HIDDEN: tl.constexpr, 
     return to_fp32(to_dtype_rne(acc, DTYPE, SOFT), SOFT)
 
 
-@triton.jit(do_not_specialize=["n_rows", "rank", "spin_limit"], do_not_specialize_on_alignment=["scale_ptr"])
+@triton.jit(
+    do_not_specialize=["n_rows", "rank", "spin_limit", "two_shot", "copy_in", "end_wait"],
+    do_not_specialize_on_alignment=["scale_ptr"],
+)
 def symm_allreduce_norm_kernel(
-    x_ptr,  # [T, H] this rank's partial (row stride x_stride); not read unless COPY_IN
+    x_ptr,  # [T, H] this rank's partial (row stride x_stride); read only when copy_in
     res_ptr,  # [T, H] residual in D
     w_ptr,  # [H] norm weight in D
     scale_ptr,  # fp32 [1]: fp8_static dequant scale / nvfp4 global encode scale (else any pointer)
@@ -127,6 +132,9 @@ def symm_allreduce_norm_kernel(
     in_off,  # byte offset of the inputs region in every workspace
     sum_off,  # byte offset of the sums region (two-shot)
     spin_limit,  # polls before a wait gives up
+    two_shot,  # 0: one-shot, 1: two-shot (runtime flags: one compiled kernel serves every call)
+    copy_in,  # 1: copy x into this rank's inputs region; 0: x is that region (zero-copy)
+    end_wait,  # 1: wait until every peer is done reading before exiting (an input buffer is lent)
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
@@ -139,25 +147,22 @@ def symm_allreduce_norm_kernel(
     SOFT_FP8: tl.constexpr,
     WORLD: tl.constexpr,
     SLOTS: tl.constexpr,  # rows map to programs as t % SLOTS; the flags' second axis
-    TWO_SHOT: tl.constexpr,
-    COPY_IN: tl.constexpr,  # copy x into this rank's inputs region (False: x is that region)
-    END_WAIT: tl.constexpr,  # wait until every peer is done reading before exiting
     SYNC: tl.constexpr,  # False: no flag operations (emulated ranks in one process)
-    STAGE: tl.constexpr,  # 0: everything; else only that part (emulation)
+    STAGE: tl.constexpr,  # 0: everything; 1, 2, 3: only that part (emulation)
 ):
     """Program ``b`` serves rows ``b, b + SLOTS, ...`` below T (the grid is ``min(T, SLOTS)``),
     and zeroes its share of the swizzled padding rows."""
     b = tl.program_id(0)
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
-    LAST: tl.constexpr = 3 if TWO_SHOT else 2
     offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
     e = tl.load(epochs_ptr + b).to(tl.uint32, bitcast=True) + 1
 
     # Part 1: publish this rank's rows, then wait for every rank's.
     if STAGE == 0 or STAGE == 1:
-        if COPY_IN:
-            if SYNC and not END_WAIT:
-                _wait(peers_ptr, DONE, b, rank, e - 1, spin_limit, err_ptr, SLOTS, WORLD)
+        if copy_in != 0:
+            if SYNC:  # noqa: SIM102 (a constexpr and a runtime test: Triton folds the first away)
+                if end_wait == 0:  # else the previous call already waited at its end
+                    _wait(peers_ptr, DONE, b, rank, e - 1, spin_limit, err_ptr, SLOTS, WORLD)
             mine = _region(peers_ptr, rank, in_off, DTYPE)
             for row in range(b, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
@@ -167,7 +172,7 @@ def symm_allreduce_norm_kernel(
             _signal(peers_ptr, READY, b, rank, e, SLOTS, WORLD)
             _wait(peers_ptr, READY, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
 
-    if not TWO_SHOT:
+    if two_shot == 0:
         # Part 2 (one-shot): every rank sums every partial of its rows, identically.
         if STAGE == 0 or STAGE == 2:
             for row in range(b, n_rows, SLOTS):
@@ -203,10 +208,10 @@ def symm_allreduce_norm_kernel(
                                     SOFT_FP8)  # fmt: skip
 
     # Last part: release the peers' rows, pad the swizzled scales, count the call.
-    if STAGE == 0 or STAGE == LAST:
+    if STAGE == 0 or STAGE == 3:
         if SYNC:
             _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
-            if END_WAIT:
+            if end_wait != 0:
                 _wait(peers_ptr, DONE, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
         if SWIZZLED:
             pad_programs = (

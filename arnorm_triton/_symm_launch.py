@@ -117,15 +117,21 @@ class SymmLauncher:
             launch = kernel[(self.grid(n_rows),)]
         return launch(
             *ptrs, ws.peers, ws.epochs, ws.error, n_rows, x_stride, res_stride, h_stride, self.eps,
-            self.weight_offset, ws.rank, lay.in_off, lay.sum_off, self.spin_limit,
-            TWO_SHOT=two_shot, COPY_IN=copy_in, END_WAIT=end_wait, STAGE=stage, num_warps=self.num_warps,
-            **self.constexprs,
+            self.weight_offset, ws.rank, lay.in_off, lay.sum_off, self.spin_limit, int(two_shot),
+            int(copy_in), int(end_wait), STAGE=stage, num_warps=self.num_warps, **self.constexprs,
         )  # fmt: skip
 
-    def wait_done(self) -> Any:
+    def wait_done(self, warmup: bool = False) -> Any:
         """Enqueue :func:`~arnorm_triton._symm_kernels.symm_wait_done_kernel` (zero-copy start)."""
         ws = self.workspace
-        return S.symm_wait_done_kernel[(self.slots,)](
+        kernel = S.symm_wait_done_kernel
+        if warmup:
+            if not hasattr(kernel, "warmup"):
+                return None
+            launch = functools.partial(kernel.warmup, grid=(self.slots,))
+        else:
+            launch = kernel[(self.slots,)]
+        return launch(
             ws.peers, ws.epochs, ws.error, ws.rank, self.spin_limit, SLOTS=self.slots,
             WORLD=ws.layout.world, num_warps=1,
         )  # fmt: skip

@@ -180,7 +180,7 @@ def test_call_picks_the_kernel_variant(monkeypatch):
     b = _backend(max_tokens=300, oneshot_max=128)
     calls = []
     monkeypatch.setattr(b.launcher, "launch", lambda *a, **k: calls.append((a, k)))
-    monkeypatch.setattr(b.launcher, "wait_done", lambda: calls.append(("wait_done", {})))
+    monkeypatch.setattr(b.launcher, "wait_done", lambda **k: calls.append(("wait_done", {})))
     res, w = torch.zeros(300, H, dtype=torch.bfloat16), torch.ones(H, dtype=torch.bfloat16)
     for t in (1, 128, 129, 300):
         x = torch.zeros(t, H, dtype=torch.bfloat16)
