@@ -90,6 +90,7 @@ class TritonSymmBackend:
     ) -> None:
         import torch
 
+        from arnorm_triton._kernels import INTERPRETED
         from arnorm_triton._symm_launch import SymmLauncher
         from arnorm_triton._symm_outputs import OutputPlan
 
@@ -113,8 +114,9 @@ class TritonSymmBackend:
             eps=problem.eps,
             weight_offset=problem.weight_offset,
             round_before_weight=problem.round_before_weight,
-            soft=False,
-            soft_fp8=_soft_fp8(problem),
+            # Integer-bit casts only in the interpreter (the CPU protocol tests drive this class).
+            soft=INTERPRETED,
+            soft_fp8=_soft_fp8(problem) or INTERPRETED,
             sync=True,
             spin_limit=settings["spin_limit"],
         )

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 from arnorm.plugin import Output
 from arnorm_triton._symm_launch import SymmLauncher
 from arnorm_triton._symm_outputs import OutputPlan
-from arnorm_triton._symm_workspace import emulated, plan_layout
+from arnorm_triton._symm_workspace import Layout, SymmWorkspace, emulated, plan_layout
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["emulate_call"]
+__all__ = ["emulate_call", "shared_workspace"]
 
 
 def emulate_call(
@@ -100,3 +100,25 @@ def emulate_call(
                             stage=stage)  # fmt: skip
     outs = [plan.output(y, h_out, q, sf, scale) for _, h_out, y, q, sf in calls]
     return outs, workspaces
+
+
+def shared_workspace(layout: Layout, dtype: torch.dtype, directory: str, rank: int) -> SymmWorkspace:
+    """Rank ``rank``'s workspace over files that every rank maps (``directory/rank<r>.buf``): ranks
+    in separate processes share memory the way GPUs share symmetric memory, so the kernel can run
+    with its flags (``SYNC=True``) under the Triton interpreter. The files must exist, zero-filled,
+    ``layout.total_bytes`` long, before any rank maps them."""
+    import os
+
+    import torch
+
+    from arnorm_triton._symm_workspace import _new_local
+
+    buffers = [
+        torch.from_file(
+            os.path.join(directory, f"rank{r}.buf"), shared=True, size=layout.total_bytes, dtype=torch.uint8
+        )
+        for r in range(layout.world)
+    ]
+    ws = _new_local(layout, rank, buffers[rank], [int(b.data_ptr()) for b in buffers], dtype, None)
+    ws.handle = buffers  # keeps every mapping alive as long as the workspace
+    return ws

@@ -82,7 +82,7 @@ def _wait(peers_ptr, kind, b, rank, target, spin_limit, err_ptr, SLOTS: tl.const
             n += 1
         if _behind(v, target):
             # A peer never came: record it (TritonSymmBackend.check raises) rather than hang.
-            tl.atomic_or(err_ptr, 1 << kind, sem="relaxed", scope="gpu")
+            tl.atomic_or(err_ptr, tl.full([], 1, tl.int32) << kind, sem="relaxed", scope="gpu")
     # Every thread's loads of peer rows happen after the acquire above.
     tl.debug_barrier()
 
