@@ -150,7 +150,13 @@ class TritonSymmBackend:
         rank that cannot build the workspace makes every rank raise the same error instead of
         leaving its peers in a rendezvous or a kernel).
         """
-        from arnorm_triton._symm_workspace import allocate_buffer, join, plan_layout
+        from arnorm_triton._symm_workspace import (
+            allocate_buffer,
+            build,
+            local_offset,
+            plan_layout,
+            rendezvous,
+        )
 
         values = {
             "max_bytes": int(getattr(settings, "max_bytes", DEFAULT_MAX_BYTES)),
@@ -183,17 +189,20 @@ class TritonSymmBackend:
                 f"size {problem.hidden_size} in {problem.dtype} (needs >= {need})"
             )
         dtype = getattr(torch, problem.dtype)
-        holder: list[Any] = []
+        held: dict[str, Any] = {}
         # Allocation is local: agree on it before the rendezvous, which would wait for a rank that
         # failed to allocate until the store's timeout.
         _collective_step(
-            comm, "symmetric memory", lambda: holder.append(allocate_buffer(layout, comm.device))
+            comm, "symmetric memory", lambda: held.update(buffer=allocate_buffer(layout, comm.device))
         )
-        _collective_step(
-            comm, "symmetric memory rendezvous",
-            lambda: holder.append(join(holder[0], layout, dtype, comm.group, comm.rank)),
-        )  # fmt: skip
-        ws = holder[1]
+
+        def join() -> None:
+            held["handle"] = rendezvous(held["buffer"], comm.group)
+            held["offset"] = local_offset(held["buffer"], held["handle"], comm.rank)
+
+        _collective_step(comm, "symmetric memory rendezvous", join)
+        offsets = [int(o) for o in comm.gather_objects(held["offset"])]
+        ws = build(layout, comm.rank, held["buffer"], held["handle"], offsets, dtype)
         # Every rank's flags are zero before any rank's first kernel can write into them.
         torch.cuda.synchronize(comm.device)
         comm.gather_objects("flags zeroed")

@@ -11,10 +11,10 @@ rank r's program ``b`` only (docs/triton-symm.md, "Protocol"). ``slots`` is the 
 programs the kernels may launch (rows map to programs as ``t % slots`` in every call).
 
 :class:`SymmWorkspace` holds what the kernel needs on the device: the table of every rank's buffer
-address, this rank's per-program call counters and its timeout word. :func:`allocate_buffer` and
-:func:`join` build one over torch symmetric memory; :func:`emulated` builds ``world`` of them in
-one process over plain tensors (the CPU tests: the kernel cannot tell the difference, the
-synchronization is compiled out).
+address, this rank's per-program call counters and its timeout word. :func:`allocate_buffer`,
+:func:`rendezvous` and :func:`build` make one over torch symmetric memory; :func:`emulated` makes
+``world`` of them in one process over plain tensors (the CPU tests: the kernel cannot tell the
+difference, the synchronization is compiled out).
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ __all__ = [
     "Layout",
     "SymmWorkspace",
     "allocate_buffer",
+    "build",
     "emulated",
-    "join",
+    "local_offset",
     "plan_layout",
+    "rendezvous",
 ]
 
 #: Region alignment in bytes (16-byte vector accesses need 16; 256 keeps rows on cache-line starts).
@@ -175,27 +177,6 @@ def emulated(layout: Layout, dtype: torch.dtype, device: Any = "cpu") -> list[Sy
     return [_new_local(layout, r, b, addresses, dtype, None) for r, b in enumerate(bufs)]
 
 
-def _rendezvous(buffer: Any, group: Any) -> Any:
-    """``symm_mem.rendezvous`` on ``group`` (never WORLD: every rank of a TP group calls it, and
-    only those). Older torch needs the group registered first (``enable_symm_mem_for_group``,
-    deprecated since it became automatic): done only when the plain call says so."""
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    try:
-        return symm_mem.rendezvous(buffer, group)
-    except (RuntimeError, TypeError) as exc:
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is None or "group" not in str(exc).lower():
-            raise
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            enable(group.group_name)
-        try:
-            return symm_mem.rendezvous(buffer, group)
-        except TypeError:  # torch whose rendezvous takes the group name only
-            return symm_mem.rendezvous(buffer, group.group_name)
-
-
 def allocate_buffer(layout: Layout, device: torch.device) -> torch.Tensor:
     """This rank's buffer from ``symm_mem.empty`` (local), its flags zeroed."""
     import torch
@@ -206,22 +187,49 @@ def allocate_buffer(layout: Layout, device: torch.device) -> torch.Tensor:
     return buffer
 
 
-def join(buffer: torch.Tensor, layout: Layout, dtype: torch.dtype, group: Any, rank: int) -> SymmWorkspace:
-    """Rendezvous ``buffer`` on the TP ``group`` (collective over it) and build this rank's view.
+def rendezvous(buffer: torch.Tensor, group: Any) -> Any:
+    """``symm_mem.rendezvous`` on the TP ``group`` (never WORLD: every rank of the TP group calls it,
+    and only those). Older torch needs the group registered first (``enable_symm_mem_for_group``,
+    deprecated since it became automatic): done only when the plain call fails and the group is
+    not registered yet."""
+    from torch.distributed import _symmetric_memory as symm_mem
 
-    The caller must make sure every rank has zeroed its flags (synchronize + a CPU barrier) before
-    any kernel runs."""
-    handle = _rendezvous(buffer, group)
-    addresses = [int(a) for a in handle.buffer_ptrs]
-    if len(addresses) != layout.world:
-        raise RuntimeError(f"rendezvous: {len(addresses)} buffers (needs {layout.world}, one per TP rank)")
+    try:
+        return symm_mem.rendezvous(buffer, group)
+    except (RuntimeError, TypeError):
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        registered = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: True)
+        if enable is None or registered(group.group_name):
+            raise
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(group.group_name)
+    try:
+        return symm_mem.rendezvous(buffer, group)
+    except TypeError:  # a torch whose rendezvous takes the group name only
+        return symm_mem.rendezvous(buffer, group.group_name)
+
+
+def local_offset(buffer: torch.Tensor, handle: Any, rank: int) -> int:
+    """Where ``buffer`` starts within this rank's symmetric allocation. ``handle.buffer_ptrs`` are
+    the allocations' starts; torch's memory pool may place a tensor inside one, at an offset that
+    need not be the same on every rank, so every rank's offset is gathered (see :func:`build`)."""
+    offset = int(buffer.data_ptr()) - int(handle.buffer_ptrs[rank])
+    if offset < 0:
+        raise RuntimeError(f"rendezvous: buffer_ptrs[{rank}] lies after this rank's tensor (offset {offset})")
+    return offset
+
+
+def build(
+    layout: Layout, rank: int, buffer: Any, handle: Any, offsets: list[int], dtype: Any
+) -> SymmWorkspace:
+    """This rank's view: peer ``r``'s buffer is at ``buffer_ptrs[r] + offsets[r]`` in this process."""
+    starts = [int(a) for a in handle.buffer_ptrs]
+    if len(starts) != layout.world or len(offsets) != layout.world:
+        raise RuntimeError(f"rendezvous: {len(starts)} buffers (needs {layout.world}, one per TP rank)")
+    addresses = [a + o for a, o in zip(starts, offsets, strict=True)]
     if addresses[rank] != int(buffer.data_ptr()):
-        # Torch versions differ in where the buffer sits in an allocation; the table must point at
-        # the same bytes this rank's tensor views.
-        raise RuntimeError(
-            f"rendezvous: buffer_ptrs[{rank}] = {addresses[rank]:#x} is not this rank's tensor "
-            f"({int(buffer.data_ptr()):#x}) (needs a torch whose symmetric buffers are the tensors' storage)"
-        )
+        raise RuntimeError("rendezvous: this rank's table entry is not its own tensor")
     return _new_local(layout, rank, buffer, addresses, dtype, handle)
 
 

@@ -263,3 +263,49 @@ def test_topology_reasons(monkeypatch):
     assert B._agree_topology(_topology(monkeypatch, apart)) == 114
     four = [{"host": "a", "uuid": f"u{i}", "sms": 130} for i in range(4)]
     assert B._agree_topology(_topology(monkeypatch, four, visible=("u0", "u1", "u2", "u3"))) == 128
+
+
+# -- joining torch symmetric memory (fakes: no GPU) ------------------------------------------------
+
+
+def test_build_adds_each_ranks_offset():
+    """Torch's pool may place the buffer inside a larger allocation at an offset that differs by
+    rank: peer r's buffer is buffer_ptrs[r] + offset_r, and this rank's entry is its own tensor."""
+    from arnorm_triton._symm_workspace import build, local_offset
+
+    lay = plan_layout(world=2, slots=2, hidden=H, itemsize=2, max_tokens=4, max_bytes=1 << 20, oneshot_max=4)
+    buf = torch.zeros(lay.total_bytes + 512, dtype=torch.uint8)[512:]
+    base = buf.data_ptr() - 512
+    handle = types.SimpleNamespace(buffer_ptrs=[base, 1 << 40])
+    assert local_offset(buf, handle, 0) == 512
+    ws = build(lay, 0, buf, handle, [512, 4096], torch.bfloat16)
+    assert ws.peers.tolist() == [buf.data_ptr(), (1 << 40) + 4096]
+    with pytest.raises(RuntimeError, match="not its own tensor"):
+        build(lay, 0, buf, handle, [0, 0], torch.bfloat16)
+
+
+def test_rendezvous_registers_the_group_only_when_torch_needs_it(monkeypatch):
+    """On a torch that needs enable_symm_mem_for_group, the first rendezvous fails, the TP group (not
+    WORLD) is registered and the rendezvous retried; a registered group's failure is raised as is."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from arnorm_triton._symm_workspace import rendezvous
+
+    group = types.SimpleNamespace(group_name="tp7")
+    seen, enabled = [], set()
+
+    def fake_rendezvous(buf, g):
+        seen.append(g)
+        if "tp7" not in enabled:
+            raise RuntimeError("SymmetricMemory: group_info not found for tp7")
+        return "handle"
+
+    monkeypatch.setattr(symm_mem, "rendezvous", fake_rendezvous)
+    monkeypatch.setattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: name in enabled)
+    monkeypatch.setattr(symm_mem, "enable_symm_mem_for_group", enabled.add)
+    assert rendezvous(object(), group) == "handle"
+    assert seen == [group, group] and enabled == {"tp7"}
+    enabled.clear()
+    monkeypatch.setattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: True)
+    with pytest.raises(RuntimeError, match="group_info"):
+        rendezvous(object(), group)
