@@ -4,7 +4,6 @@ rank-dependent grid would leave a program waiting for a peer program that never 
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from arnorm_triton import _kernels as K
@@ -108,13 +107,7 @@ class SymmLauncher:
         for i in (6, 7):
             if ptrs[i].element_size() == 1 and ptrs[i].dtype is not torch.uint8:
                 ptrs[i] = ptrs[i].view(torch.uint8)
-        kernel = S.symm_allreduce_norm_kernel
-        if warmup:
-            if not hasattr(kernel, "warmup"):  # the interpreter compiles nothing
-                return None
-            launch = functools.partial(kernel.warmup, grid=(self.grid(n_rows),))
-        else:
-            launch = kernel[(self.grid(n_rows),)]
+        launch = _launcher(S.symm_allreduce_norm_kernel, self.grid(n_rows), warmup)
         return launch(
             *ptrs, ws.peers, ws.epochs, ws.error, n_rows, x_stride, res_stride, h_stride, self.eps,
             self.weight_offset, ws.rank, lay.in_off, lay.sum_off, self.spin_limit, int(two_shot),
@@ -124,14 +117,30 @@ class SymmLauncher:
     def wait_done(self, warmup: bool = False) -> Any:
         """Enqueue :func:`~arnorm_triton._symm_kernels.symm_wait_done_kernel` (zero-copy start)."""
         ws = self.workspace
-        kernel = S.symm_wait_done_kernel
-        if warmup:
-            if not hasattr(kernel, "warmup"):
-                return None
-            launch = functools.partial(kernel.warmup, grid=(self.slots,))
-        else:
-            launch = kernel[(self.slots,)]
+        launch = _launcher(S.symm_wait_done_kernel, self.slots, warmup)
         return launch(
             ws.peers, ws.epochs, ws.error, ws.rank, self.spin_limit, SLOTS=self.slots,
             WORLD=ws.layout.world, num_warps=1,
         )  # fmt: skip
+
+
+def _launcher(kernel: Any, grid: int, warmup: bool) -> Any:
+    """``kernel[grid]``, or with ``warmup`` a call that compiles without running (nothing in the
+    interpreter, and nothing where this Triton's ``warmup`` takes other arguments: the first real
+    launch compiles then; a kernel that does not compile still raises)."""
+    if not warmup:
+        return kernel[(grid,)]
+    if not hasattr(kernel, "warmup"):
+        return _nothing
+
+    def compile_only(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return kernel.warmup(*args, grid=(grid,), **kwargs)
+        except TypeError:
+            return None
+
+    return compile_only
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
