@@ -202,7 +202,12 @@ class TritonSymmBackend:
 
         _collective_step(comm, "symmetric memory rendezvous", join)
         offsets = [int(o) for o in comm.gather_objects(held["offset"])]
-        ws = build(layout, comm.rank, held["buffer"], held["handle"], offsets, dtype)
+        _collective_step(
+            comm,
+            "symmetric memory rendezvous",
+            lambda: held.update(ws=build(layout, comm.rank, held["buffer"], held["handle"], offsets, dtype)),
+        )
+        ws = held["ws"]
         # Every rank's flags are zero before any rank's first kernel can write into them.
         torch.cuda.synchronize(comm.device)
         comm.gather_objects("flags zeroed")
@@ -236,17 +241,20 @@ class TritonSymmBackend:
         # Compiled on every rank before any rank runs a kernel that waits for its peers: a rank
         # whose compile fails makes every rank raise instead of leaving its peers spinning.
         _collective_step(comm, "kernel compile", compile_all)
-        for two, copy_in, end_wait in variants:  # copy-in without end-wait first: see _variants
-            src = x.clone() if copy_in else self._workspace().inputs(t).copy_(x)
-            self._launch(src, res, w, scale, two, copy_in, end_wait)
-        self._launcher.wait_done()
-        torch.cuda.synchronize(comm.device)
-        errors = comm.gather_objects(self._timeouts())
-        if any(errors):
-            raise BackendSetupError(
-                "warm-up: a kernel waited past ARNORM_TRITON_SYMM_SPIN_LIMIT for a peer on rank(s) "
-                f"{[r for r, e in enumerate(errors) if e]} (needs every rank to reach the op's first call)"
-            )
+
+        def run_all() -> None:
+            for two, copy_in, end_wait in variants:  # copy-in without end-wait first: see _variants
+                src = x.clone() if copy_in else self._workspace().inputs(t).copy_(x)
+                self._launch(src, res, w, scale, two, copy_in, end_wait)
+            self._launcher.wait_done()
+            torch.cuda.synchronize(comm.device)
+            if self._timeouts():
+                raise RuntimeError(
+                    "a kernel waited past ARNORM_TRITON_SYMM_SPIN_LIMIT for a peer (needs every rank to "
+                    "reach the op's first call)"
+                )
+
+        _collective_step(comm, "warm-up", run_all)
 
     def _variants(self) -> list[tuple[bool, bool, bool]]:
         """``(two_shot, copy_in, end_wait)`` a call can take, in an order that is safe to run
@@ -376,7 +384,7 @@ def _collective_step(comm: Comm, what: str, fn: Any) -> None:
     failed = [(r, e) for r, e in enumerate(seen) if e]
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-        raise BackendSetupError(f"{what}: {detail} (needs a working {what} on every rank)")
+        raise BackendSetupError(f"{what}: {detail} (needs {what} to succeed on every rank)")
 
 
 def _agree_topology(comm: Comm) -> int:

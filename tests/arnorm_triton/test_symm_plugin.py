@@ -309,3 +309,14 @@ def test_rendezvous_registers_the_group_only_when_torch_needs_it(monkeypatch):
     monkeypatch.setattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: True)
     with pytest.raises(RuntimeError, match="group_info"):
         rendezvous(object(), group)
+
+
+def test_a_step_failing_on_one_rank_fails_on_every_rank():
+    """Allocation, rendezvous, compile and warm-up are each agreed: a rank whose step raised makes
+    every rank raise the same setup error, naming the rank, instead of leaving peers waiting."""
+    ok = _fake_comm(2, 0, [["", "RuntimeError: CUDA out of memory"]])
+    with pytest.raises(
+        BackendSetupError, match=r"symmetric memory: rank 1: RuntimeError: CUDA out of memory"
+    ):
+        B._collective_step(ok, "symmetric memory", lambda: None)
+    B._collective_step(_fake_comm(2, 0, [["", ""]]), "warm-up", lambda: None)
