@@ -1,0 +1,435 @@
+"""``TritonSymmBackend``: the all-reduce fused into one Triton kernel over torch symmetric memory.
+
+Per call, one kernel on each rank: this rank's partial is copied into its symmetric buffer (or
+already lies there: :meth:`TritonSymmBackend.input_buffer`), the ranks' programs meet through
+flags in the same buffers, and each row's partials are summed in fp32 from rank 0 up (one
+rounding: bitwise the reference's step 1, identical on every rank), then ``triton``'s epilogue adds
+the residual, normalizes and quantizes. One-shot (every rank reads every partial) up to
+``ARNORM_TRITON_SYMM_ONESHOT_MAX_TOKENS``, two-shot (each rank reduces a share of the rows, then
+reads the others' sums) above. docs/triton-symm.md has the protocol and why it is graph-safe.
+
+A call allocates only its outputs, never synchronizes with the host and launches the same grid on
+every rank; the calls of one op must be issued on one stream (or streams ordered with one
+another) on every rank, in the same order, as for any collective.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from arnorm.plugin import ArnormError, BackendSetupError, Output
+from arnorm_triton._symm_plugin import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_ONESHOT_MAX_TOKENS,
+    DEFAULT_SPIN_LIMIT,
+    MAX_WORLD_SIZE,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from arnorm.plugin import BackendSettings, Comm, Problem
+    from arnorm_triton._symm_workspace import SymmWorkspace
+
+__all__ = ["TritonSymmBackend", "symmetric_memory_reasons"]
+
+#: Most programs a launch may have (and flag slots per rank and kind): one per SM is enough to
+#: keep every load in flight, and it keeps the whole grid resident, so a program never waits for
+#: a peer program that cannot be scheduled.
+MAX_SLOTS = 1024
+
+
+def symmetric_memory_reasons() -> list[str]:
+    """Why this torch cannot build symmetric memory, in the reason grammar (empty: it can)."""
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    if not torch.distributed.is_available():
+        return [f"torch.distributed: not built into torch {version} (needs a torch with distributed support)"]
+    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
+        return [
+            f"torch symmetric memory: missing in torch {version} "
+            "(needs torch.distributed._symmetric_memory, torch >= 2.5)"
+        ]
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except Exception as exc:  # a broken build must not break selection
+        return [
+            f"torch symmetric memory: import failed with {type(exc).__name__}: {exc} "
+            "(needs a working torch.distributed._symmetric_memory)"
+        ]
+    missing = [n for n in ("empty", "rendezvous") if not hasattr(symm_mem, n)]
+    if missing:
+        return [
+            f"torch symmetric memory: no {' or '.join(missing)} in torch {version} "
+            "(needs symm_mem.empty and symm_mem.rendezvous, torch >= 2.5)"
+        ]
+    return []
+
+
+def _soft_fp8(problem: Problem) -> bool:
+    # As ``triton``: e4m3 in integer arithmetic where the hardware conversion is missing or differs.
+    return problem.platform != "cuda" or (problem.arch or (0, 0)) < (8, 9)
+
+
+class TritonSymmBackend:
+    """The ``triton_symm`` backend: 2 to 8 ranks of one node, CUDA or ROCm, every format.
+
+    Outputs per call: the new residual (``hidden_states`` itself when ``problem.inplace``, except
+    for zero-copy input, whose buffer the peers read: then a new tensor), the normed activation
+    when ``problem.normed_output``, and the quantized activation as :func:`arnorm.quant.quantize`
+    lays it out.
+    """
+
+    name: ClassVar[str] = "triton_symm"
+
+    def __init__(
+        self, problem: Problem, comm: Comm, workspace: SymmWorkspace, settings: dict[str, int]
+    ) -> None:
+        import torch
+
+        from arnorm_triton._kernels import INTERPRETED
+        from arnorm_triton._symm_launch import SymmLauncher
+        from arnorm_triton._symm_outputs import OutputPlan
+
+        self._problem = problem
+        self._comm = comm
+        self._ws: SymmWorkspace | None = workspace
+        self._hidden = problem.hidden_size
+        self._inplace = problem.inplace
+        self._oneshot_max = settings["oneshot_max_tokens"]
+        self._max_bytes = settings["max_bytes"]
+        self._capacity = workspace.layout.capacity
+        self._in_ptr = workspace.input_ptr()
+        #: Once an input buffer is lent, every call waits at its end until the peers are done
+        #: reading this rank's rows (the caller writes the next partial there before the next call).
+        self._lent = False
+        self._launcher = SymmLauncher(
+            workspace,
+            quant=problem.quant,
+            layout=problem.scale_layout,
+            write_normed=problem.normed_output,
+            eps=problem.eps,
+            weight_offset=problem.weight_offset,
+            round_before_weight=problem.round_before_weight,
+            # Integer-bit casts only in the interpreter (the CPU protocol tests drive this class).
+            soft=INTERPRETED,
+            soft_fp8=_soft_fp8(problem) or INTERPRETED,
+            sync=True,
+            spin_limit=settings["spin_limit"],
+        )
+        self._plan = OutputPlan(
+            hidden=problem.hidden_size,
+            dtype=getattr(torch, problem.dtype),
+            quant=problem.quant,
+            layout=problem.scale_layout,
+            normed=problem.normed_output,
+            device=comm.device,
+        )
+
+    # -- selection --------------------------------------------------------------------------
+
+    @classmethod
+    def probe(cls, problem: Problem) -> tuple[str, ...]:
+        """What the capabilities cannot say: Triton usable (as for ``triton``), and symmetric memory
+        in this torch. Peer access and the node are checked in :meth:`create`, which knows the peers."""
+        from arnorm_triton._backend import TritonBackend
+
+        reasons = list(TritonBackend.probe(problem))
+        if importlib.util.find_spec("torch") is not None:
+            reasons += symmetric_memory_reasons()
+        return tuple(reasons)
+
+    @classmethod
+    def create(cls, problem: Problem, comm: Comm, settings: BackendSettings) -> TritonSymmBackend:
+        """Check the peers, allocate and rendezvous the workspace on the TP group, warm up.
+
+        Collective over ``comm`` (every rank calls it; agreement over the CPU group first, so a
+        rank that cannot build the workspace makes every rank raise the same error instead of
+        leaving its peers in a rendezvous or a kernel).
+        """
+        from arnorm_triton._symm_workspace import (
+            allocate_buffer,
+            build,
+            local_offset,
+            plan_layout,
+            rendezvous,
+        )
+
+        values = {
+            "max_bytes": int(getattr(settings, "max_bytes", DEFAULT_MAX_BYTES)),
+            "oneshot_max_tokens": int(getattr(settings, "oneshot_max_tokens", DEFAULT_ONESHOT_MAX_TOKENS)),
+            "spin_limit": int(getattr(settings, "spin_limit", DEFAULT_SPIN_LIMIT)),
+        }
+        if comm.group is None or comm.world_size < 2:
+            raise BackendSetupError(f"world size: {comm.world_size} (needs 2 to {MAX_WORLD_SIZE} ranks)")
+        slots = _agree_topology(comm)
+        import torch
+
+        itemsize = getattr(torch, problem.dtype).itemsize
+        layout = plan_layout(
+            world=comm.world_size,
+            slots=slots,
+            hidden=problem.hidden_size,
+            itemsize=itemsize,
+            max_tokens=problem.max_tokens,
+            max_bytes=values["max_bytes"],
+            oneshot_max=values["oneshot_max_tokens"],
+        )
+        if layout.capacity < 1:
+            from arnorm_triton._symm_workspace import min_bytes
+
+            need = min_bytes(
+                world=comm.world_size, slots=slots, hidden=problem.hidden_size, itemsize=itemsize
+            )
+            raise BackendSetupError(
+                f"workspace: ARNORM_TRITON_SYMM_MAX_BYTES={values['max_bytes']} holds no token of hidden "
+                f"size {problem.hidden_size} in {problem.dtype} (needs >= {need})"
+            )
+        dtype = getattr(torch, problem.dtype)
+        held: dict[str, Any] = {}
+        # Allocation is local: agree on it before the rendezvous, which would wait for a rank that
+        # failed to allocate until the store's timeout.
+        _collective_step(
+            comm, "symmetric memory", lambda: held.update(buffer=allocate_buffer(layout, comm.device))
+        )
+
+        def join() -> None:
+            held["handle"] = rendezvous(held["buffer"], comm.group)
+            held["offset"] = local_offset(held["buffer"], held["handle"], comm.rank)
+
+        _collective_step(comm, "symmetric memory rendezvous", join)
+        offsets = [int(o) for o in comm.gather_objects(held["offset"])]
+        _collective_step(
+            comm,
+            "symmetric memory rendezvous",
+            lambda: held.update(ws=build(layout, comm.rank, held["buffer"], held["handle"], offsets, dtype)),
+        )
+        ws = held["ws"]
+        # Every rank's flags are zero before any rank's first kernel can write into them.
+        torch.cuda.synchronize(comm.device)
+        comm.gather_objects("flags zeroed")
+        self = cls(problem, comm, ws, values)
+        try:
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _warm_up(self) -> None:
+        """Compile the kernels, then run every variant a call can take once on every rank (the JIT
+        cost and module loads stay out of the step and out of graph captures)."""
+        import torch
+
+        comm, t, h = self._comm, min(3, self._capacity), self._hidden
+        g = torch.Generator(device=comm.device).manual_seed(comm.rank)
+        dtype = self._plan.dtype
+        x = torch.randn((t, h), generator=g, device=comm.device).to(dtype)
+        res = torch.randn((t, h), generator=g, device=comm.device).to(dtype)
+        w = torch.ones((h,), dtype=dtype, device=comm.device)
+        scale = torch.tensor([0.5], dtype=torch.float32, device=comm.device)
+        variants = self._variants()
+
+        def compile_all() -> None:  # one kernel serves every variant (runtime flags)
+            two, copy_in, end_wait = variants[0]
+            self._launch(x.clone(), res, w, scale, two, copy_in, end_wait, warmup=True)
+            self._launcher.wait_done(warmup=True)
+
+        # Compiled on every rank before any rank runs a kernel that waits for its peers: a rank
+        # whose compile fails makes every rank raise instead of leaving its peers spinning.
+        _collective_step(comm, "kernel compile", compile_all)
+
+        def run_all() -> None:
+            for two, copy_in, end_wait in variants:  # copy-in without end-wait first: see _variants
+                src = x.clone() if copy_in else self._workspace().inputs(t).copy_(x)
+                self._launch(src, res, w, scale, two, copy_in, end_wait)
+            self._launcher.wait_done()
+            torch.cuda.synchronize(comm.device)
+            if self._timeouts():
+                raise RuntimeError(
+                    "a kernel waited past ARNORM_TRITON_SYMM_SPIN_LIMIT for a peer (needs every rank to "
+                    "reach the op's first call)"
+                )
+
+        _collective_step(comm, "warm-up", run_all)
+
+    def _variants(self) -> list[tuple[bool, bool, bool]]:
+        """``(two_shot, copy_in, end_wait)`` a call can take, in an order that is safe to run
+        back to back: a zero-copy call only after a call that waited at its end."""
+        kinds = [False] if self._capacity <= self._oneshot_max else [True]
+        if self._oneshot_max > 0 and self._capacity > self._oneshot_max:
+            kinds = [False, True]
+        out = []
+        for two in kinds:
+            out += [(two, True, False), (two, True, True), (two, False, True)]
+        return out
+
+    def check_tokens(self, num_tokens: int) -> tuple[str, ...]:
+        if num_tokens > self._capacity:
+            return (
+                f"tokens: {num_tokens} (needs <= {self._capacity}, what ARNORM_TRITON_SYMM_MAX_BYTES="
+                f"{self._max_bytes} holds)",
+            )
+        return ()
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def _workspace(self) -> SymmWorkspace:
+        if self._ws is None:
+            raise ArnormError("triton_symm: closed (needs a new arnorm.AllReduceNorm)")
+        return self._ws
+
+    def input_buffer(self, num_tokens: int) -> torch.Tensor | None:
+        """``[T, H]`` view of this rank's inputs region: a partial written there is not copied.
+
+        The first call enqueues a wait (on the current stream) until every peer is done reading
+        the region, and from then on every call waits at its end so the caller may overwrite it.
+        """
+        if num_tokens > self._capacity:
+            return None
+        ws = self._workspace()
+        if not self._lent:
+            self._launcher.wait_done()
+            self._lent = True
+        return ws.inputs(num_tokens)
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+    ) -> Output:
+        t = hidden_states.shape[0]
+        zero_copy = hidden_states.data_ptr() == self._in_ptr and (
+            t == 1 or hidden_states.stride(0) == self._hidden
+        )
+        return self._launch(
+            hidden_states, residual, weight, scale, t > self._oneshot_max, not zero_copy, self._lent
+        )
+
+    def _launch(self, x: Any, residual: Any, weight: Any, scale: Any, two_shot: bool, copy_in: bool,
+                end_wait: bool, warmup: bool = False) -> Output:  # fmt: skip
+        self._workspace()
+        t, hidden = x.shape[0], self._hidden
+        xs = x.stride(0) if t > 1 else hidden
+        rs = residual.stride(0) if t > 1 else hidden
+        if copy_in and self._inplace:
+            h_out, hs = x, xs
+        else:
+            # Zero-copy input is the peers' to read until the call ends: the residual goes elsewhere.
+            h_out, hs = x.new_empty((t, hidden)), hidden
+        y, q, sf = self._plan.alloc(t)
+        self._launcher.launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs, two_shot=two_shot,
+                              copy_in=copy_in, end_wait=end_wait, warmup=warmup)  # fmt: skip
+        return self._plan.output(y, h_out, q, sf, scale)
+
+    # -- health and lifetime ----------------------------------------------------------------
+
+    def _timeouts(self) -> int:
+        ws = self._workspace()
+        return int(ws.error.item())
+
+    def check(self) -> None:
+        """Raise if a wait of any earlier call gave up on a peer (synchronizes with the device).
+
+        Such a call went on with whatever the peer's buffer held: its outputs, and those of every
+        call since, are wrong. The usual cause is a rank that stopped calling the op."""
+        bits = self._timeouts()
+        if bits:
+            kinds = [k for i, k in enumerate(("publish", "two-shot sums", "done reading")) if bits >> i & 1]
+            raise ArnormError(
+                f"triton_symm: a wait for a peer ({', '.join(kinds)}) gave up after "
+                "ARNORM_TRITON_SYMM_SPIN_LIMIT polls (needs every rank to call the op the same number of "
+                "times, in the same order)"
+            )
+
+    def close(self) -> None:
+        """Drop this rank's workspace (local and idempotent; torch unmaps it once unreferenced)."""
+        if self._ws is not None:
+            self._ws.release()
+            self._ws = None
+
+    # -- introspection used by tests and the benchmark ----------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens a call may have (the workspace budget)."""
+        return self._capacity
+
+    @property
+    def oneshot_max_tokens(self) -> int:
+        return self._oneshot_max
+
+    @property
+    def launcher(self) -> Any:
+        return self._launcher
+
+    @property
+    def workspace(self) -> SymmWorkspace | None:
+        return self._ws
+
+
+def _collective_step(comm: Comm, what: str, fn: Any) -> None:
+    """Run ``fn`` on every rank, then agree: if it raised anywhere, raise the same error everywhere."""
+    error = ""
+    try:
+        fn()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    seen = comm.gather_objects(error)
+    failed = [(r, e) for r, e in enumerate(seen) if e]
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise BackendSetupError(f"{what}: {detail} (needs {what} to succeed on every rank)")
+
+
+def _agree_topology(comm: Comm) -> int:
+    """Check that the ranks share one node, have distinct GPUs (unless torch is told to allow
+    overlap) with peer access; return the agreed program count (slots). Raises the same
+    :class:`BackendSetupError` on every rank."""
+    import torch
+
+    from arnorm_triton._symm_workspace import overlapping_devices_allowed
+
+    dev = comm.device
+    props = torch.cuda.get_device_properties(dev)
+    uuid = str(getattr(props, "uuid", dev.index))
+    mine = {"host": socket.gethostname(), "uuid": uuid, "sms": int(props.multi_processor_count)}
+    facts = comm.gather_objects(mine)
+    problems: list[str] = []
+    hosts = sorted({f["host"] for f in facts})
+    if len(hosts) > 1:
+        problems.append(
+            f"nodes: ranks on {len(hosts)} hosts (needs every rank on one node: peer memory is intra-node)"
+        )
+    uuids = [f["uuid"] for f in facts]
+    shared = [r for r, u in enumerate(uuids) if uuids.count(u) > 1]
+    if shared and not overlapping_devices_allowed():
+        problems.append(
+            f"devices: ranks {shared} share a GPU (needs one GPU per rank; "
+            "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 allows sharing, for tests)"
+        )
+    # Peer access to every peer GPU this process can see (a peer hidden by CUDA_VISIBLE_DEVICES is
+    # left to the rendezvous, which fails loudly without it).
+    visible = {
+        str(getattr(torch.cuda.get_device_properties(i), "uuid", i)): i
+        for i in range(torch.cuda.device_count())
+    }
+    local = []
+    for r, u in enumerate(uuids):
+        i = visible.get(u)
+        if u != uuid and i is not None and not torch.cuda.can_device_access_peer(dev.index, i):
+            local.append(f"peer access: cuda:{dev.index} cannot reach rank {r}'s cuda:{i} "
+                         "(needs P2P between the TP GPUs: NVLink, NVSwitch or PCIe P2P)")  # fmt: skip
+    for r, reasons in enumerate(comm.gather_objects(local)):
+        problems += [f"rank {r}: {reason}" for reason in reasons]
+    if problems:
+        raise BackendSetupError("; ".join(problems))
+    sms = min(f["sms"] for f in facts)
+    w = comm.world_size
+    # A multiple of the world size keeps two-shot ownership balanced across programs.
+    return max(w, min(sms, MAX_SLOTS) // w * w)

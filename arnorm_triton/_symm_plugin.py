@@ -1,0 +1,94 @@
+"""Registers the ``triton_symm`` backend (its own ``arnorm.backends`` entry point); imports nothing heavy.
+
+``triton_symm`` fuses the all-reduce itself into one Triton kernel over torch symmetric memory:
+every rank publishes its partial sum into its own symmetric buffer, and the kernel reads all the
+partials from the peers' buffers, sums them in fp32 in rank order (bitwise the reference's step
+1 on every rank), then adds the residual, normalizes and quantizes with the same epilogue as
+``triton`` (docs/triton-symm.md).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from arnorm.plugin import BackendSettings, BackendSpec, Capabilities, hookimpl
+from arnorm_triton._plugin import CAPABILITIES as TRITON_CAPABILITIES
+
+__all__ = [
+    "CAPABILITIES",
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_ONESHOT_MAX_TOKENS",
+    "DEFAULT_SPIN_LIMIT",
+    "MAX_WORLD_SIZE",
+    "TritonSymmSettings",
+    "arnorm_backends",
+]
+
+#: Ranks of one node that peer memory can join; the kernel unrolls its rank loop up to this.
+MAX_WORLD_SIZE = 8
+#: Symmetric workspace per rank: 64 MiB holds 2048 tokens of the one-shot and two-shot regions at
+#: H = 8192 in bf16 (16 KiB a row, twice), far beyond the decode sizes where a fused all-reduce
+#: beats NCCL; larger calls fall through to ``triton``.
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+#: One-shot up to this many tokens, two-shot above (docs/triton-symm.md, "Crossover").
+DEFAULT_ONESHOT_MAX_TOKENS = 128
+#: Polls of a peer's flag before a wait gives up and records a timeout (about 10 s to minutes,
+#: depending on the GPU's atomic latency): long enough for a late rank, short of a silent hang.
+DEFAULT_SPIN_LIMIT = 1 << 27
+
+#: The ``triton`` backend's declaration, narrowed: GPUs only (symmetric memory has no CPU
+#: implementation), and 2 to 8 ranks of one node.
+CAPABILITIES = Capabilities(
+    **{
+        **TRITON_CAPABILITIES.model_dump(),
+        "platforms": frozenset({"cuda", "rocm"}),
+        "world_sizes": frozenset(range(2, MAX_WORLD_SIZE + 1)),
+        "min_world_size": 2,
+    }
+)
+
+
+class TritonSymmSettings(BackendSettings):
+    """``ARNORM_TRITON_SYMM_*``: the symmetric workspace budget, the one-shot/two-shot crossover,
+    and how long a kernel waits for a peer."""
+
+    max_bytes: int = Field(
+        default=DEFAULT_MAX_BYTES,
+        gt=0,
+        description="Bytes of symmetric memory per rank for this op's workspace (the partials, the "
+        "two-shot sums and the flags). It bounds the token count the backend serves; a call with more "
+        "tokens falls through to the next backend (triton).",
+    )
+    oneshot_max_tokens: int = Field(
+        default=DEFAULT_ONESHOT_MAX_TOKENS,
+        ge=0,
+        description="Token counts up to this run the one-shot kernel (every rank reads every partial); "
+        "above it the two-shot kernel (each rank reduces a share of the rows, then reads the others' "
+        "sums). 0: always two-shot; at least max_tokens: always one-shot.",
+    )
+    spin_limit: int = Field(
+        default=DEFAULT_SPIN_LIMIT,
+        ge=0,
+        le=2**31 - 1,
+        description="Polls of a peer's flag before a waiting kernel gives up, records a timeout "
+        "(TritonSymmBackend.check() raises on it) and goes on with wrong values instead of hanging; "
+        "0: wait forever.",
+    )
+
+
+@hookimpl
+def arnorm_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="triton_symm",
+            priority=150,
+            capabilities=CAPABILITIES,
+            loader="arnorm_triton._symm_backend:TritonSymmBackend",
+            requires=("triton",),
+            extra="triton",
+            distribution="triton",
+            settings=TritonSymmSettings,
+            description="one Triton kernel: all-reduce over torch symmetric memory (rank-order fp32 sum) "
+            "+ residual add + RMSNorm + quant",
+        )
+    ]

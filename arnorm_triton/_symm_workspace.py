@@ -1,0 +1,238 @@
+"""The symmetric workspace of ``triton_symm``: its layout (pure arithmetic), and building it.
+
+Every rank holds one buffer of the same size, laid out identically (byte offsets)::
+
+    [0, flags_bytes)           flags: uint32 [KINDS, slots, world]; peers write slot (kind, b, src)
+    [in_off, in_off + T*H*e)   inputs: this rank's partial sum, [capacity, H] in the dtype
+    [sum_off, ... )            sums: two-shot only, the rows this rank reduced, [capacity, H]
+
+Flag ``(kind, b, src)`` in rank r's buffer is written by rank ``src``'s program ``b`` and read by
+rank r's program ``b`` only (docs/triton-symm.md, "Protocol"). ``slots`` is the number of
+programs the kernels may launch (rows map to programs as ``t % slots`` in every call).
+
+:class:`SymmWorkspace` holds what the kernel needs on the device: the table of every rank's buffer
+address, this rank's per-program call counters and its timeout word. :func:`allocate_buffer`,
+:func:`rendezvous` and :func:`build` make one over torch symmetric memory; :func:`emulated` makes
+``world`` of them in one process over plain tensors (the CPU tests: the kernel cannot tell the
+difference, the synchronization is compiled out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ALIGN",
+    "KINDS",
+    "Layout",
+    "SymmWorkspace",
+    "allocate_buffer",
+    "build",
+    "emulated",
+    "local_offset",
+    "plan_layout",
+    "rendezvous",
+]
+
+#: Region alignment in bytes (16-byte vector accesses need 16; 256 keeps rows on cache-line starts).
+ALIGN = 256
+#: Flag kinds: partials published, two-shot sums published, this rank done reading its peers.
+KINDS = 3
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Byte layout of one rank's buffer for an op (identical on every rank)."""
+
+    world: int
+    slots: int
+    hidden: int
+    itemsize: int
+    #: Tokens the regions hold: calls with more tokens are not served.
+    capacity: int
+    #: Whether the two-shot sums region exists (the crossover is below the capacity).
+    two_shot: bool
+    flags_bytes: int
+    in_off: int
+    sum_off: int
+    total_bytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * self.itemsize
+
+
+def flag_bytes(world: int, slots: int) -> int:
+    return _round_up(KINDS * slots * world * 4, ALIGN)
+
+
+def plan_layout(
+    *, world: int, slots: int, hidden: int, itemsize: int, max_tokens: int, max_bytes: int, oneshot_max: int
+) -> Layout:
+    """The largest capacity (at most ``max_tokens``) whose buffer fits ``max_bytes``; capacity 0
+    when not even one token fits. The sums region is planned only when some served token count is
+    above ``oneshot_max`` (the two-shot kernel runs only there)."""
+    flags = flag_bytes(world, slots)
+    row = hidden * itemsize
+
+    def total(cap: int, two: bool) -> int:
+        region = _round_up(cap * row, ALIGN)
+        return flags + region * (2 if two else 1)
+
+    # One region up to the crossover, two beyond it: find the largest capacity that fits.
+    cap = min(max_tokens, oneshot_max, max(0, (max_bytes - flags) // row))
+    two = False
+    if max_tokens > oneshot_max:
+        fit2 = max(0, (max_bytes - flags) // (2 * row))
+        while total(fit2 + 1, True) <= max_bytes:  # rounding slack
+            fit2 += 1
+        while fit2 > 0 and total(fit2, True) > max_bytes:
+            fit2 -= 1
+        if min(max_tokens, fit2) > oneshot_max:
+            cap, two = min(max_tokens, fit2), True
+    while cap > 0 and total(cap, two) > max_bytes:
+        cap -= 1
+    region = _round_up(cap * row, ALIGN)
+    in_off = flags
+    sum_off = in_off + region if two else in_off
+    size = total(cap, two) if cap > 0 else flags
+    return Layout(world, slots, hidden, itemsize, cap, two, flags, in_off, sum_off, size)
+
+
+def min_bytes(*, world: int, slots: int, hidden: int, itemsize: int) -> int:
+    """The smallest budget that serves one token (one-shot)."""
+    return flag_bytes(world, slots) + _round_up(hidden * itemsize, ALIGN)
+
+
+@dataclasses.dataclass
+class SymmWorkspace:
+    """One rank's view of the op's symmetric workspace.
+
+    - ``dtype``: the op's dtype (the inputs and sums regions hold it).
+    - ``buffer``: this rank's uint8 buffer (``layout.total_bytes``).
+    - ``peers``: int64 ``[world]`` on the device: every rank's buffer address as this process maps it.
+    - ``epochs``: int32 ``[slots]``, this rank's call counter per program (local memory).
+    - ``error``: int32 ``[1]``, bits of the flag kinds whose wait gave up (local memory).
+    - ``handle``: torch's symmetric-memory handle (``None`` when emulated); kept alive with the buffer.
+    """
+
+    layout: Layout
+    rank: int
+    dtype: Any
+    buffer: Any
+    peers: Any
+    epochs: Any
+    error: Any
+    handle: Any = None
+
+    def inputs(self, num_tokens: int) -> torch.Tensor:
+        """``[T, H]`` view of this rank's inputs region (what ``input_buffer`` hands out)."""
+        lay = self.layout
+        raw = self.buffer[lay.in_off : lay.in_off + num_tokens * lay.row_bytes]
+        return raw.view(self.dtype).view(num_tokens, lay.hidden)
+
+    def input_ptr(self) -> int:
+        return int(self.buffer.data_ptr()) + self.layout.in_off
+
+    def release(self) -> None:
+        """Drop every reference this object holds (the buffer is unmapped once torch lets go)."""
+        self.buffer = self.peers = self.epochs = self.error = self.handle = None
+
+
+def _new_local(
+    layout: Layout, rank: int, buffer: Any, addresses: list[int], dtype: Any, handle: Any
+) -> SymmWorkspace:
+    import torch
+
+    dev = buffer.device
+    return SymmWorkspace(
+        layout=layout,
+        rank=rank,
+        dtype=dtype,
+        buffer=buffer,
+        peers=torch.tensor(addresses, dtype=torch.int64, device=dev),
+        epochs=torch.zeros(layout.slots, dtype=torch.int32, device=dev),
+        error=torch.zeros(1, dtype=torch.int32, device=dev),
+        handle=handle,
+    )
+
+
+def emulated(layout: Layout, dtype: torch.dtype, device: Any = "cpu") -> list[SymmWorkspace]:
+    """``layout.world`` workspaces in this process, each rank's table pointing at all of them
+    (the CPU tests run every rank's kernel here, one after the other, stage by stage)."""
+    import torch
+
+    bufs = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(layout.world)]
+    addresses = [int(b.data_ptr()) for b in bufs]
+    return [_new_local(layout, r, b, addresses, dtype, None) for r, b in enumerate(bufs)]
+
+
+def allocate_buffer(layout: Layout, device: torch.device) -> torch.Tensor:
+    """This rank's buffer from ``symm_mem.empty`` (local), its flags zeroed."""
+    import torch
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    buffer = symm_mem.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+    buffer[: layout.flags_bytes].zero_()
+    return buffer
+
+
+def rendezvous(buffer: torch.Tensor, group: Any) -> Any:
+    """``symm_mem.rendezvous`` on the TP ``group`` (never WORLD: every rank of the TP group calls it,
+    and only those). Older torch needs the group registered first (``enable_symm_mem_for_group``,
+    deprecated since it became automatic): done only when the plain call fails and the group is
+    not registered yet."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    try:
+        return symm_mem.rendezvous(buffer, group)
+    except (RuntimeError, TypeError):
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        registered = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: True)
+        if enable is None or registered(group.group_name):
+            raise
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(group.group_name)
+    try:
+        return symm_mem.rendezvous(buffer, group)
+    except TypeError:  # a torch whose rendezvous takes the group name only
+        return symm_mem.rendezvous(buffer, group.group_name)
+
+
+def local_offset(buffer: torch.Tensor, handle: Any, rank: int) -> int:
+    """Where ``buffer`` starts within this rank's symmetric allocation. ``handle.buffer_ptrs`` are
+    the allocations' starts; torch's memory pool may place a tensor inside one, at an offset that
+    need not be the same on every rank, so every rank's offset is gathered (see :func:`build`)."""
+    offset = int(buffer.data_ptr()) - int(handle.buffer_ptrs[rank])
+    if offset < 0:
+        raise RuntimeError(f"rendezvous: buffer_ptrs[{rank}] lies after this rank's tensor (offset {offset})")
+    return offset
+
+
+def build(
+    layout: Layout, rank: int, buffer: Any, handle: Any, offsets: list[int], dtype: Any
+) -> SymmWorkspace:
+    """This rank's view: peer ``r``'s buffer is at ``buffer_ptrs[r] + offsets[r]`` in this process."""
+    starts = [int(a) for a in handle.buffer_ptrs]
+    if len(starts) != layout.world or len(offsets) != layout.world:
+        raise RuntimeError(f"rendezvous: {len(starts)} buffers (needs {layout.world}, one per TP rank)")
+    addresses = [a + o for a, o in zip(starts, offsets, strict=True)]
+    if addresses[rank] != int(buffer.data_ptr()):
+        raise RuntimeError("rendezvous: this rank's table entry is not its own tensor")
+    return _new_local(layout, rank, buffer, addresses, dtype, handle)
+
+
+def overlapping_devices_allowed() -> bool:
+    """Whether torch lets several ranks' symmetric buffers live on one GPU (tests only)."""
+    return os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "0") not in ("", "0")
