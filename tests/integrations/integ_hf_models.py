@@ -31,8 +31,8 @@ SIZES = dict(
 )
 
 
-def build(family: str, path: str, seed: int = 0) -> str:
-    """Save a tiny random ``family`` model (float32) under ``path``/``family``; returns the folder."""
+def make(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny random ``family`` causal LM in eval mode, its norm weights moved off their init."""
     import transformers
 
     config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[family])
@@ -46,6 +46,23 @@ def build(family: str, path: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return model.to(dtype)
+
+
+def build(family: str, path: str, seed: int = 0) -> str:
+    """Save a tiny random ``family`` model (float32) under ``path``/``family``; returns the folder."""
     folder = os.path.join(path, family)
-    model.save_pretrained(folder)
+    make(family, seed).save_pretrained(folder)
     return folder
+
+
+def load(folder: str, dtype: torch.dtype, tp: int | None = None) -> torch.nn.Module:
+    """The saved model in ``dtype``: sharded by transformers' tensor parallelism over ``tp`` ranks, or not."""
+    from transformers import AutoModelForCausalLM
+
+    if tp is None:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    from transformers.distributed import DistributedConfig
+
+    config = DistributedConfig(tp_plan="auto", tp_size=tp)
+    return AutoModelForCausalLM.from_pretrained(folder, distributed_config=config, dtype=dtype).eval()
