@@ -177,7 +177,7 @@ def _report(res: dict[str, Any], dtype: str, tp: int, max_tokens: int) -> int:
     batch, seq = PROMPT
     print(f"prompt {batch} x {seq} tokens; backend per site (all-reduce + add + norm, and local add + norm):")
     print(
-        "layer  after attention  after MLP        local add+norm         max|fused - unfused| of the output"
+        "layer  after attention  after MLP        local add+norm         max|fused - unfused| of its output"
     )
     for i, (site, diff) in enumerate(zip(res["sites"], res["layer_diffs"], strict=True)):
         local = _column(site, "pre_feedforward", "mlp_residual")

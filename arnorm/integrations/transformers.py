@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from arnorm._comm import Comm
-from arnorm._errors import InvalidInputError
+from arnorm._errors import InvalidInputError, SelectionError
 from arnorm._op import AllReduceNorm
 from arnorm._types import LOCAL, RMSNorm
 from arnorm.integrations._hf_inspect import LayerPlan, ModelPlan, inspect_model
@@ -173,7 +173,8 @@ def fuse(
         max_tokens: the most tokens (batch x sequence) one forward passes to the ops; a forward
             with more runs the model's unfused path for every site instead of raising.
         quant: must be None: the model's linear layers read the normed activation in its dtype.
-        backend: an arnorm backend name or ordered list (strict), or None for auto.
+        backend: an arnorm backend name or ordered list (strict), or None for auto. Gemma2/3's
+            local add + norm sites of a TP model fall back to auto when it cannot serve one process.
         cpu_group: a gloo group over the TP ranks, when ``tp_group`` is an NCCL group smaller than WORLD.
 
     Returns:
@@ -236,16 +237,29 @@ def _build(
     def op(reduces: bool, norm: RMSNorm) -> AllReduceNorm:
         key = (reduces and not local, norm)
         if key not in ops:
-            ops[key] = AllReduceNorm(
-                tp_group if key[0] else LOCAL,
-                hidden_size=hidden,
-                dtype=dtype,  # type: ignore[arg-type]
-                norm=norm,
-                max_tokens=max_tokens,
-                backend=backend,
-                device=device,
-                cpu_group=cpu_group if key[0] else None,
-            )
+
+            def build(choice: Any) -> AllReduceNorm:
+                return AllReduceNorm(
+                    tp_group if key[0] else LOCAL,
+                    hidden_size=hidden,
+                    dtype=dtype,  # type: ignore[arg-type]
+                    norm=norm,
+                    max_tokens=max_tokens,
+                    backend=choice,
+                    device=device,
+                    cpu_group=cpu_group if key[0] else None,
+                )
+
+            if key[0] or local or backend is None:
+                ops[key] = build(backend)
+            else:
+                # A Gemma2/3 local add + norm of a TP model: the named backend when it serves one
+                # process (it may be an all-reduce kernel that needs 2+ ranks), else auto. Local ops
+                # involve no other rank, and every rank has the same backends, so all choose alike.
+                try:
+                    ops[key] = build(backend)
+                except SelectionError:
+                    ops[key] = build(None)
             handle._ops.append(ops[key])
         return ops[key]
 
