@@ -1,0 +1,212 @@
+"""The forwards ``fuse()`` installs: row-parallel partial sums, fused steps, and the decoder layers.
+
+Data flow of a pre-norm layer ``i`` (Llama, Mistral, Qwen2/3, Gemma), with ``AR`` the TP
+all-reduce and ``next_norm`` layer ``i+1``'s input norm or the final norm::
+
+    x_norm = carry.take(x) or input_layernorm(x)          # layer 0: the model's own norm
+    h, y   = op(self_attn(x_norm), x, post_attention_layernorm)   # AR + add + norm, one call
+    h2, y2 = op(mlp(y), h, next_norm)                     # AR + add + the next layer's input norm
+    carry.put(h2, y2); return h2
+
+A sandwich layer (Gemma2/3) has a norm between each AR and its add; that norm has no residual of
+its own, so it runs as the TP op with a zero residual, and the add + next norm as a local op::
+
+    _, a   = tp_op(self_attn(x_norm), 0, post_attention_layernorm)
+    h, y   = local_op(a, x, pre_feedforward_layernorm)
+    _, b   = tp_op(mlp(y), 0, post_feedforward_layernorm)
+    h2, y2 = local_op(b, h, next_norm)
+
+The carry hands layer ``i``'s normed output to whoever consumes ``h2`` next, only if that
+consumer receives the very tensor ``h2`` (identity check); anyone else runs their own norm, so a
+layer called out of order is still correct. A call with more tokens than the op's budget (or
+that no backend serves) takes the unfused path of its site: the TP all-reduce, the add and the
+model's own norm module, the exact operations of the unfused model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from arnorm._errors import InvalidInputError, NoEligibleBackendError
+from arnorm.integrations._common import guard_backward
+
+__all__ = ["Carry", "Step", "final_norm_forward", "layer_forward", "row_parallel_forward"]
+
+
+class Carry:
+    """Layer i's normed output for the consumer of its residual (see the module docstring)."""
+
+    __slots__ = ("normed", "residual")
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None
+        self.normed: torch.Tensor | None = None
+
+    def put(self, residual: torch.Tensor, normed: torch.Tensor) -> None:
+        self.residual, self.normed = residual, normed
+
+    def take(self, x: torch.Tensor) -> torch.Tensor | None:
+        normed = self.normed if x is self.residual else None
+        self.residual = self.normed = None  # held no longer than one hand-over
+        return normed
+
+
+class Step:
+    """One site: (all-reduce) + (residual add) + norm, fused through ``op`` when it serves the call.
+
+    ``op``: an ``AllReduceNorm`` or None (no fusion: the unfused path always). ``all_reduce``:
+    the unfused path's reduction (None when the input is already complete). ``zeros``: a
+    ``[max_tokens, H]`` zero buffer for a site whose norm has no residual (allocated once; the
+    core op has no residual-free form).
+    """
+
+    __slots__ = ("all_reduce", "dtype", "hidden", "norm", "norm_forward", "op", "served", "zeros")
+
+    def __init__(
+        self,
+        op: Any,
+        norm: Any,
+        norm_forward: Callable[[torch.Tensor], torch.Tensor],
+        all_reduce: Callable[[torch.Tensor], Any] | None,
+        zeros: torch.Tensor | None = None,
+    ) -> None:
+        self.op, self.norm, self.norm_forward = op, norm, norm_forward
+        self.all_reduce, self.zeros = all_reduce, zeros
+        self.served: dict[int, bool] = {}
+        self.dtype = None if op is None else getattr(torch, op.problem.dtype)
+        self.hidden = None if op is None else op.problem.hidden_size
+
+    def backend_for(self, num_tokens: int) -> str:
+        """The backend serving ``num_tokens`` here, or ``"unfused"``."""
+        if not self._serves(num_tokens):
+            return "unfused"
+        return str(self.op.backend_for(num_tokens))
+
+    def _serves(self, num_tokens: int) -> bool:
+        known = self.served.get(num_tokens)
+        if known is None:
+            known = False
+            if self.op is not None and 0 < num_tokens <= self.op.problem.max_tokens:
+                try:
+                    self.op.backend_for(num_tokens)
+                    known = True
+                except (InvalidInputError, NoEligibleBackendError):
+                    known = False
+            self.served[num_tokens] = known
+        return known
+
+    def __call__(
+        self, partial: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(new residual, normed)``; without a residual the first is the reduced sum."""
+        shape = partial.shape
+        h = shape[-1]
+        t = partial.numel() // h if h else 0
+        if (
+            self.op is not None
+            and h == self.hidden
+            and partial.dtype == self.dtype
+            and (residual is None or (residual.dtype == self.dtype and residual.shape == shape))
+            and self._serves(t)
+        ):
+            x = partial.reshape(t, h)
+            res = self.zeros[:t] if residual is None else residual.reshape(t, h)  # type: ignore[index]
+            out = self.op(x, res, self.norm.weight)
+            return out.residual.view(shape), out.normed.view(shape)
+        reduced = partial if self.all_reduce is None else self.all_reduce(partial)
+        new_residual = reduced if residual is None else residual + reduced
+        return new_residual, self.norm_forward(new_residual)
+
+
+def row_parallel_forward(linear: torch.nn.Linear) -> Callable[..., torch.Tensor]:
+    """``linear``'s forward returning this rank's partial sum: the rowwise style without its all-reduce."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            x = x.redistribute(placements=[Shard(-1)]).to_local()
+        weight = linear.weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        return F.linear(x, local)
+
+    return forward
+
+
+def _all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    import torch.distributed as dist
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=group)  # what transformers' rowwise style does at inference
+        return x
+
+    return reduce
+
+
+def _kwargs(sig: inspect.Signature, layer: Any, x: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Positional arguments of a decoder layer call, as the keywords its attention receives."""
+    bound = sig.bind(layer, x, *args, **kwargs)
+    out: dict[str, Any] = {}
+    names = list(sig.parameters)
+    for name, value in bound.arguments.items():
+        if name in names[:2]:
+            continue
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+def layer_forward(layer: Any, kind: str, carry: Carry, steps: dict[str, Step]) -> Callable[..., torch.Tensor]:
+    """The fused forward of one decoder layer (``kind``: ``pre_norm`` or ``sandwich``)."""
+    sig = inspect.signature(type(layer).forward)
+    input_norm = layer.input_layernorm
+    anchors = (input_norm.weight,)
+    sandwich = kind == "sandwich"
+    attn_step, mlp_step = steps["attention"], steps["mlp"]
+    pre_ff, mlp_residual = steps.get("pre_feedforward"), steps.get("mlp_residual")
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            kwargs = _kwargs(sig, layer, hidden_states, args, kwargs)
+        with torch.no_grad():
+            normed = carry.take(hidden_states)
+            if normed is None:
+                normed = input_norm(hidden_states)
+            attn = layer.self_attn(hidden_states=normed, **kwargs)[0]
+            if sandwich:
+                _, a = attn_step(attn, None)
+                h, y = pre_ff(a, hidden_states)  # type: ignore[misc]
+                _, b = mlp_step(layer.mlp(y), None)
+                h2, y2 = mlp_residual(b, h)  # type: ignore[misc]
+            else:
+                h, y = attn_step(attn, hidden_states)
+                h2, y2 = mlp_step(layer.mlp(y), h)
+        out = guard_backward(h2, (hidden_states, *anchors))
+        carry.put(out, y2)
+        return out
+
+    return forward
+
+
+def final_norm_forward(norm: Any, original: Callable[[torch.Tensor], torch.Tensor], carry: Carry) -> Any:
+    """The final norm: the last layer's fused output when handed its residual, else the model's own norm."""
+    anchors = (norm.weight,)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = carry.take(x)
+        if y is None:
+            return original(x)
+        return guard_backward(y, (x, *anchors))
+
+    return forward
+
+
+def reducer(group: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The unfused path's all-reduce over ``group`` (None: a single process, nothing to reduce)."""
+    return None if group is None else _all_reduce(group)

@@ -1,0 +1,175 @@
+"""Stand-ins for the integration tests: a fused test backend, vLLM's quant keys, norms and parallel state."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from arnorm.plugin import BackendSpec, Capabilities, Output, add_rmsnorm, quantize_output, rank_order_sum
+
+#: The most tokens the fused test backend serves; above it only the reference would.
+FUSED_LIMIT = 16
+ALL_QUANT = frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"})
+
+
+class FusedTestBackend:
+    """A 'fused' backend for the tests: the reference's arithmetic (all-gather, rank-order fp32 sum),
+    serving at most FUSED_LIMIT tokens, so both sides of the integrations' None contract show."""
+
+    name: ClassVar[str] = "fused"
+
+    def __init__(self, problem: Any, comm: Any) -> None:
+        self.problem, self.comm = problem, comm
+
+    @classmethod
+    def probe(cls, problem: Any) -> tuple[str, ...]:
+        return ()
+
+    @classmethod
+    def create(cls, problem: Any, comm: Any, settings: Any) -> FusedTestBackend:
+        return cls(problem, comm)
+
+    def check_tokens(self, num_tokens: int) -> tuple[str, ...]:
+        if num_tokens > FUSED_LIMIT:
+            return (f"tokens: {num_tokens} (needs <= {FUSED_LIMIT}, the test workspace)",)
+        return ()
+
+    def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any) -> Output:
+        p = self.problem
+        s = rank_order_sum(self.comm.all_gather(hidden_states))
+        h, y = add_rmsnorm(s, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
+        q = quantize_output(y, p.quant, scale, p.scale_layout)
+        if p.inplace:
+            h = hidden_states.copy_(h)
+        return Output(y if p.normed_output else None, h, q)
+
+    def close(self) -> None:
+        return None
+
+
+def install_registry() -> None:
+    """Make the reference and the fused test backend the only registered backends of this process."""
+    from arnorm._discovery import Registry, reset_registry
+
+    caps = Capabilities(platforms=frozenset({"cpu", "cuda"}), quant=ALL_QUANT, round_before_weight=True)
+    reg = Registry()
+    reg.add(
+        BackendSpec(
+            name="reference",
+            priority=0,
+            capabilities=caps,
+            loader="arnorm._reference:ReferenceBackend",
+        ),
+        plugin="arnorm",
+    )
+    reg.add(
+        BackendSpec(name="fused", priority=50, capabilities=caps, loader="integ_fakes:FusedTestBackend"),
+        plugin="tests",
+    )
+    reset_registry(reg)
+
+
+# -- vLLM's quantization keys, with the fields of vllm/.../quant_utils.py ------------------------------
+
+
+@dataclass(frozen=True)
+class ScaleDesc:
+    dtype: torch.dtype
+    static: bool
+    group_shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class QuantKey:
+    dtype: torch.dtype
+    scale: ScaleDesc
+    scale2: ScaleDesc | None = None
+    symmetric: bool = True
+
+
+_STATIC_TENSOR = ScaleDesc(torch.float32, True, (-1, -1))
+KEYS = {
+    "fp8_static": QuantKey(torch.float8_e4m3fn, _STATIC_TENSOR),
+    "fp8_per_token": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.float32, False, (1, -1))),
+    "nvfp4": QuantKey(torch.uint8, ScaleDesc(torch.float8_e4m3fn, False, (1, 16)), scale2=_STATIC_TENSOR),
+    "mxfp8": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.uint8, False, (1, 32))),
+}
+#: Keys arnorm has no format for.
+UNSUPPORTED = {
+    "fp8 dynamic per-tensor": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.float32, False, (-1, -1))),
+    "fp8 per-group 128": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.float32, False, (1, 128))),
+    "e4m3fnuz static": QuantKey(torch.float8_e4m3fnuz, _STATIC_TENSOR),
+    "asymmetric fp8": QuantKey(torch.float8_e4m3fn, _STATIC_TENSOR, symmetric=False),
+    "int8 name": "int8",
+    "none": None,
+}
+
+
+class HFGemmaNorm(torch.nn.Module):
+    """A Hugging Face style Gemma norm: ``weight`` and ``eps``, one argument."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+
+class VllmGemmaNorm(torch.nn.Module):
+    """A vLLM style Gemma norm: ``variance_epsilon`` and ``forward_native(x, residual)``; counts calls."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.variance_epsilon = eps
+        self.calls = 0
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        self.calls += 1
+        h = x if residual is None else x + residual
+        hf = h.float()
+        y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        y = (y * (1.0 + self.weight.float())).to(x.dtype)
+        return y if residual is None else (y, h)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward_native(*args, **kwargs)
+
+
+class Coordinator:
+    """vLLM's GroupCoordinator as the integration reads it; counts all-reduces."""
+
+    def __init__(self, device_group: Any, cpu_group: Any, world_size: int) -> None:
+        self.device_group, self.cpu_group, self.world_size = device_group, cpu_group, world_size
+        self.all_reduces = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.all_reduces += 1
+        out = x.clone()
+        dist.all_reduce(out, group=self.device_group)
+        return out
+
+
+def install_vllm(coordinator: Any) -> types.ModuleType:
+    """Put a minimal ``vllm.distributed.parallel_state`` in ``sys.modules``; ``get_tp_group`` returns
+    ``coordinator``, or raises AssertionError as vLLM does before its groups exist when it is None."""
+
+    def get_tp_group() -> Any:
+        assert coordinator is not None, "tensor model parallel group is not initialized"
+        return coordinator
+
+    vllm = types.ModuleType("vllm")
+    distributed = types.ModuleType("vllm.distributed")
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.get_tp_group = get_tp_group  # type: ignore[attr-defined]
+    vllm.distributed = distributed  # type: ignore[attr-defined]
+    distributed.parallel_state = state  # type: ignore[attr-defined]
+    sys.modules.update(
+        {"vllm": vllm, "vllm.distributed": distributed, "vllm.distributed.parallel_state": state}
+    )
+    return state
