@@ -20,7 +20,7 @@ from triton_cases import VARIANTS, check_output, make_inputs, make_scale
 from arnorm.plugin import add_rmsnorm, rank_order_sum
 from arnorm.testing import ConformanceSuite, run_ranks
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # multi-process: seconds each
 
 H = 2048
 MAX_TOKENS = 600
