@@ -52,8 +52,9 @@ def _append(title: str, lines: list[str], data: dict[str, Any]) -> None:
     if not md.exists():
         import torch
 
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "machine without a GPU"
         md.write_text(
-            f"# triton_symm on one {torch.cuda.get_device_name()} ({datetime.date.today()})\n\n"
+            f"# triton_symm on one {gpu} ({datetime.date.today()})\n\n"
             f"torch {torch.__version__}, triton {__import__('triton').__version__}. "
             "Command: `bash benchmarks/gpu_symm_round.sh` (steps of `benchmarks/check_triton_symm.py`).\n"
         )
