@@ -323,7 +323,10 @@ class TritonSymmBackend:
             # Zero-copy input is the peers' to read until the call ends: the residual goes elsewhere.
             h_out, hs = x.new_empty((t, hidden)), hidden
         y, q, sf = self._plan.alloc(t)
-        self._launcher.launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs, two_shot=two_shot,
+        # Only fp8_static and nvfp4 read the caller's scale; any other value would compile another
+        # kernel variant (a different pointer type) in the middle of a step.
+        kscale = scale if self._plan.kind in (1, 4) else None
+        self._launcher.launch(x, residual, weight, kscale, h_out, y, q, sf, t, xs, rs, hs, two_shot=two_shot,
                               copy_in=copy_in, end_wait=end_wait, warmup=warmup)  # fmt: skip
         return self._plan.output(y, h_out, q, sf, scale)
 
