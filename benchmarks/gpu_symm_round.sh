@@ -44,7 +44,11 @@ else:
     dist = md.distribution("arnorm")
     path = pathlib.Path(dist._path) / "entry_points.txt"  # the installed wheel's file
     text = path.read_text()
-    text = text.replace("[arnorm.backends]\n", "[arnorm.backends]\ntriton_symm = arnorm_triton._symm_plugin\n", 1)
+    line = "triton_symm = arnorm_triton._symm_plugin\n"
+    if "[arnorm.backends]\n" in text:
+        text = text.replace("[arnorm.backends]\n", "[arnorm.backends]\n" + line, 1)
+    else:
+        text += "\n[arnorm.backends]\n" + line
     path.write_text(text)
     print(f"entry point triton_symm: added to {path}")
 PY
