@@ -16,7 +16,6 @@ another) on every rank, in the same order, as for any collective.
 from __future__ import annotations
 
 import importlib.util
-import socket
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from arnorm.plugin import ArnormError, BackendSetupError, Output
@@ -26,6 +25,7 @@ from arnorm_triton._symm_plugin import (
     DEFAULT_SPIN_LIMIT,
     MAX_WORLD_SIZE,
 )
+from arnorm_triton._symm_setup import agree_topology, collective_step, symmetric_memory_reasons
 
 if TYPE_CHECKING:
     import torch
@@ -33,40 +33,7 @@ if TYPE_CHECKING:
     from arnorm.plugin import BackendSettings, Comm, Problem
     from arnorm_triton._symm_workspace import SymmWorkspace
 
-__all__ = ["TritonSymmBackend", "symmetric_memory_reasons"]
-
-#: Most programs a launch may have (and flag slots per rank and kind): one per SM is enough to
-#: keep every load in flight, and it keeps the whole grid resident, so a program never waits for
-#: a peer program that cannot be scheduled.
-MAX_SLOTS = 1024
-
-
-def symmetric_memory_reasons() -> list[str]:
-    """Why this torch cannot build symmetric memory, in the reason grammar (empty: it can)."""
-    import torch
-
-    version = torch.__version__.split("+")[0]
-    if not torch.distributed.is_available():
-        return [f"torch.distributed: not built into torch {version} (needs a torch with distributed support)"]
-    if importlib.util.find_spec("torch.distributed._symmetric_memory") is None:
-        return [
-            f"torch symmetric memory: missing in torch {version} "
-            "(needs torch.distributed._symmetric_memory, torch >= 2.5)"
-        ]
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-    except Exception as exc:  # a broken build must not break selection
-        return [
-            f"torch symmetric memory: import failed with {type(exc).__name__}: {exc} "
-            "(needs a working torch.distributed._symmetric_memory)"
-        ]
-    missing = [n for n in ("empty", "rendezvous") if not hasattr(symm_mem, n)]
-    if missing:
-        return [
-            f"torch symmetric memory: no {' or '.join(missing)} in torch {version} "
-            "(needs symm_mem.empty and symm_mem.rendezvous, torch >= 2.5)"
-        ]
-    return []
+__all__ = ["TritonSymmBackend"]
 
 
 def _soft_fp8(problem: Problem) -> bool:
@@ -165,7 +132,7 @@ class TritonSymmBackend:
         }
         if comm.group is None or comm.world_size < 2:
             raise BackendSetupError(f"world size: {comm.world_size} (needs 2 to {MAX_WORLD_SIZE} ranks)")
-        slots = _agree_topology(comm)
+        slots = agree_topology(comm)
         import torch
 
         itemsize = getattr(torch, problem.dtype).itemsize
@@ -192,7 +159,7 @@ class TritonSymmBackend:
         held: dict[str, Any] = {}
         # Allocation is local: agree on it before the rendezvous, which would wait for a rank that
         # failed to allocate until the store's timeout.
-        _collective_step(
+        collective_step(
             comm, "symmetric memory", lambda: held.update(buffer=allocate_buffer(layout, comm.device))
         )
 
@@ -200,9 +167,9 @@ class TritonSymmBackend:
             held["handle"] = rendezvous(held["buffer"], comm.group)
             held["offset"] = local_offset(held["buffer"], held["handle"], comm.rank)
 
-        _collective_step(comm, "symmetric memory rendezvous", join)
+        collective_step(comm, "symmetric memory rendezvous", join)
         offsets = [int(o) for o in comm.gather_objects(held["offset"])]
-        _collective_step(
+        collective_step(
             comm,
             "symmetric memory rendezvous",
             lambda: held.update(ws=build(layout, comm.rank, held["buffer"], held["handle"], offsets, dtype)),
@@ -240,7 +207,7 @@ class TritonSymmBackend:
 
         # Compiled on every rank before any rank runs a kernel that waits for its peers: a rank
         # whose compile fails makes every rank raise instead of leaving its peers spinning.
-        _collective_step(comm, "kernel compile", compile_all)
+        collective_step(comm, "kernel compile", compile_all)
 
         def run_all() -> None:
             for two, copy_in, end_wait in variants:  # copy-in without end-wait first: see _variants
@@ -254,7 +221,7 @@ class TritonSymmBackend:
                     "reach the op's first call)"
                 )
 
-        _collective_step(comm, "warm-up", run_all)
+        collective_step(comm, "warm-up", run_all)
 
     def _variants(self) -> list[tuple[bool, bool, bool]]:
         """``(two_shot, copy_in, end_wait)`` a call can take, in an order that is safe to run
@@ -374,65 +341,3 @@ class TritonSymmBackend:
     @property
     def workspace(self) -> SymmWorkspace | None:
         return self._ws
-
-
-def _collective_step(comm: Comm, what: str, fn: Any) -> None:
-    """Run ``fn`` on every rank, then agree: if it raised anywhere, raise the same error everywhere."""
-    error = ""
-    try:
-        fn()
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
-    seen = comm.gather_objects(error)
-    failed = [(r, e) for r, e in enumerate(seen) if e]
-    if failed:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-        raise BackendSetupError(f"{what}: {detail} (needs {what} to succeed on every rank)")
-
-
-def _agree_topology(comm: Comm) -> int:
-    """Check that the ranks share one node, have distinct GPUs (unless torch is told to allow
-    overlap) with peer access; return the agreed program count (slots). Raises the same
-    :class:`BackendSetupError` on every rank."""
-    import torch
-
-    from arnorm_triton._symm_workspace import overlapping_devices_allowed
-
-    dev = comm.device
-    props = torch.cuda.get_device_properties(dev)
-    uuid = str(getattr(props, "uuid", dev.index))
-    mine = {"host": socket.gethostname(), "uuid": uuid, "sms": int(props.multi_processor_count)}
-    facts = comm.gather_objects(mine)
-    problems: list[str] = []
-    hosts = sorted({f["host"] for f in facts})
-    if len(hosts) > 1:
-        problems.append(
-            f"nodes: ranks on {len(hosts)} hosts (needs every rank on one node: peer memory is intra-node)"
-        )
-    uuids = [f["uuid"] for f in facts]
-    shared = [r for r, u in enumerate(uuids) if uuids.count(u) > 1]
-    if shared and not overlapping_devices_allowed():
-        problems.append(
-            f"devices: ranks {shared} share a GPU (needs one GPU per rank; "
-            "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 allows sharing, for tests)"
-        )
-    # Peer access to every peer GPU this process can see (a peer hidden by CUDA_VISIBLE_DEVICES is
-    # left to the rendezvous, which fails loudly without it).
-    visible = {
-        str(getattr(torch.cuda.get_device_properties(i), "uuid", i)): i
-        for i in range(torch.cuda.device_count())
-    }
-    local = []
-    for r, u in enumerate(uuids):
-        i = visible.get(u)
-        if u != uuid and i is not None and not torch.cuda.can_device_access_peer(dev.index, i):
-            local.append(f"peer access: cuda:{dev.index} cannot reach rank {r}'s cuda:{i} "
-                         "(needs P2P between the TP GPUs: NVLink, NVSwitch or PCIe P2P)")  # fmt: skip
-    for r, reasons in enumerate(comm.gather_objects(local)):
-        problems += [f"rank {r}: {reason}" for reason in reasons]
-    if problems:
-        raise BackendSetupError("; ".join(problems))
-    sms = min(f["sms"] for f in facts)
-    w = comm.world_size
-    # A multiple of the world size keeps two-shot ownership balanced across programs.
-    return max(w, min(sms, MAX_SLOTS) // w * w)

@@ -102,7 +102,7 @@ def _local_backend(problem: Any, slots: int, world: int, oneshot_max: int, spin_
 def _slots(world: int) -> int:
     import torch
 
-    from arnorm_triton._symm_backend import MAX_SLOTS
+    from arnorm_triton._symm_setup import MAX_SLOTS
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return max(world, min(sms, MAX_SLOTS) // world * world)

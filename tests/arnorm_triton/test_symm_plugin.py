@@ -13,7 +13,7 @@ from triton_cases import make_problem
 import arnorm
 from arnorm.plugin import BackendSetupError, Comm, check_capabilities
 from arnorm_triton import _symm_backend as B
-from arnorm_triton._symm_backend import TritonSymmBackend, symmetric_memory_reasons
+from arnorm_triton._symm_backend import TritonSymmBackend
 from arnorm_triton._symm_plugin import (
     CAPABILITIES,
     DEFAULT_MAX_BYTES,
@@ -21,6 +21,7 @@ from arnorm_triton._symm_plugin import (
     TritonSymmSettings,
     arnorm_backends,
 )
+from arnorm_triton._symm_setup import agree_topology, collective_step, symmetric_memory_reasons
 from arnorm_triton._symm_workspace import ALIGN, emulated, min_bytes, plan_layout
 
 H = 256
@@ -165,7 +166,7 @@ def test_check_tokens_by_budget():
 
 def test_create_rejects_a_budget_without_one_token(monkeypatch):
     """A budget below one row is a setup failure naming the variable and the bytes needed."""
-    monkeypatch.setattr(B, "_agree_topology", lambda comm: 4)
+    monkeypatch.setattr(B, "agree_topology", lambda comm: 4)
     problem = make_problem(H, torch.bfloat16, world_size=2)
     with pytest.raises(BackendSetupError, match=r"workspace: ARNORM_TRITON_SYMM_MAX_BYTES=100 holds no token "
                        r"of hidden size 256 in bfloat16 \(needs >= \d+\)"):  # fmt: skip
@@ -248,21 +249,21 @@ def test_topology_reasons(monkeypatch):
     a multiple of the world size)."""
     two_hosts = [{"host": "a", "uuid": "u0", "sms": 132}, {"host": "b", "uuid": "u1", "sms": 132}]
     with pytest.raises(BackendSetupError, match=r"nodes: ranks on 2 hosts \(needs every rank on one node"):
-        B._agree_topology(_topology(monkeypatch, two_hosts))
+        agree_topology(_topology(monkeypatch, two_hosts))
     shared = [{"host": "a", "uuid": "u0", "sms": 132}] * 2
     with pytest.raises(
         BackendSetupError, match=r"devices: ranks \[0, 1\] share a GPU \(needs one GPU per rank"
     ):
-        B._agree_topology(_topology(monkeypatch, shared))
-    assert B._agree_topology(_topology(monkeypatch, shared, allow=True)) == 132
+        agree_topology(_topology(monkeypatch, shared))
+    assert agree_topology(_topology(monkeypatch, shared, allow=True)) == 132
     apart = [{"host": "a", "uuid": "u0", "sms": 132}, {"host": "a", "uuid": "u1", "sms": 114}]
     with pytest.raises(
         BackendSetupError, match=r"peer access: cuda:0 cannot reach rank 1's cuda:1 \(needs P2P"
     ):
-        B._agree_topology(_topology(monkeypatch, apart, p2p=False))
-    assert B._agree_topology(_topology(monkeypatch, apart)) == 114
+        agree_topology(_topology(monkeypatch, apart, p2p=False))
+    assert agree_topology(_topology(monkeypatch, apart)) == 114
     four = [{"host": "a", "uuid": f"u{i}", "sms": 130} for i in range(4)]
-    assert B._agree_topology(_topology(monkeypatch, four, visible=("u0", "u1", "u2", "u3"))) == 128
+    assert agree_topology(_topology(monkeypatch, four, visible=("u0", "u1", "u2", "u3"))) == 128
 
 
 # -- joining torch symmetric memory (fakes: no GPU) ------------------------------------------------
@@ -318,5 +319,5 @@ def test_a_step_failing_on_one_rank_fails_on_every_rank():
     with pytest.raises(
         BackendSetupError, match=r"symmetric memory: rank 1: RuntimeError: CUDA out of memory"
     ):
-        B._collective_step(ok, "symmetric memory", lambda: None)
-    B._collective_step(_fake_comm(2, 0, [["", ""]]), "warm-up", lambda: None)
+        collective_step(ok, "symmetric memory", lambda: None)
+    collective_step(_fake_comm(2, 0, [["", ""]]), "warm-up", lambda: None)
