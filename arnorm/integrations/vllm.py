@@ -315,7 +315,8 @@ def fused_allreduce_gemma_rms_norm(
 
     ``norm`` is any module with a ``weight`` (the raw Gemma weight: ``1 + weight`` multiplies)
     and ``variance_epsilon`` or ``eps``. On the fused path the new residual is written into
-    ``hidden_states``' buffer and returned; ``residual`` is not modified. When no backend but the
+    ``hidden_states``' buffer and returned (on the unfused path that buffer may hold the reduced
+    sum afterwards); ``residual`` is not modified. When no backend but the
     reference serves the call, or it has more tokens than the budget, this runs the unfused path:
     the all-reduce, then ``norm(reduced, residual)`` (vLLM's norms), or the same arithmetic in
     torch for a norm that takes one argument (bitwise arnorm's contract).
