@@ -124,7 +124,7 @@ def _check_norm(module: Any, where: str, plan: ModelPlan) -> tuple[Any, RMSNorm]
     try:
         same = _same_as_arnorm(module, weight, norm)
     except Exception as exc:  # a module that fails on a few rows: refuse on every rank, do not hang them
-        plan.reasons.append(f"{where}: {cls} raised {type(exc).__name__} on a test input (needs a working norm)")
+        plan.reasons.append(f"{where}: {cls} raised {type(exc).__name__} on test rows (needs a working norm)")
         return None
     if not same:
         plan.reasons.append(
