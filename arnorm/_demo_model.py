@@ -112,7 +112,11 @@ def _rank_main(rank: int, world: int, folder: str, opts: dict[str, Any]) -> dict
         "bitwise": torch.equal(fused, unfused),
         "rms": (rms(unfused), rms(fused)),
         "tokens_agree": torch.equal(fused_tokens, unfused_tokens),
-        "tokens_same": int((fused_tokens[:, seq:] == unfused_tokens[:, seq:]).all(0).sum()),
+        # The first decode position where some sequence of the batch differs (None: none does).
+        "first_difference": next(
+            (i for i in range(new) if not torch.equal(fused_tokens[:, seq + i], unfused_tokens[:, seq + i])),
+            None,
+        ),
         "model_class": type(model).__name__,
     }
 
@@ -131,7 +135,11 @@ def run_model_demo(
     backend: str | None = None,
     max_tokens: int = 64,
 ) -> int:
-    """Run the demo; exit status 0: greedy tokens agree and the logits are within tolerance, 1: not.
+    """Run the demo; exit status 0: the fused model is as accurate as the unfused one, 1: it is not.
+
+    fp32: logits within 1e-4 of the unfused model and the same greedy tokens. bf16 / fp16: an RMS
+    logit error against the fp32 model no more than 5% above the unfused run's (tiny random models
+    have near-ties, so the greedy tokens of two low-precision runs may differ: they are reported).
 
     ``model``: ``"llama"`` or ``"gemma3"``; ``tp``: ranks to spawn (gloo on CPU; NCCL when ``device``
     is ``"cuda"`` with at least ``tp`` GPUs, else gloo over CUDA tensors); ``backend``: arnorm
@@ -190,26 +198,23 @@ def _report(res: dict[str, Any], dtype: str, tp: int, max_tokens: int) -> int:
         f"unfused {unfused_rms:.3g}, fused {fused_rms:.3g}"
     )
     agree = res["tokens_agree"]
-    print(
-        f"greedy decode of {max_tokens} tokens: "
-        + (
-            "fused and unfused agree"
-            if agree
-            else f"DIFFER ({res['tokens_same']} of {max_tokens} positions agree)"
-        )
-    )
-    if dtype == "float32":
-        close = res["logit_diff"] <= FP32_TOL
-        rule = f"fp32 logits within {FP32_TOL:g} of the unfused model"
+    if agree:
+        print(f"greedy decode of {max_tokens} tokens: fused and unfused agree")
     else:
-        close = fused_rms <= unfused_rms * RMS_SLACK
-        rule = "no less accurate than the unfused model against fp32"
+        why = " (near-ties of a tiny random model in low precision)" if dtype != "float32" else ""
+        print(
+            f"greedy decode of {max_tokens} tokens: fused and unfused differ from position "
+            f"{res['first_difference']} on{why}"
+        )
+    if dtype == "float32":
+        ok = agree and res["logit_diff"] <= FP32_TOL
+        rule = f"logits within {FP32_TOL:g} of the unfused model and the same greedy tokens"
+    else:
+        ok = fused_rms <= unfused_rms * RMS_SLACK
+        rule = "no less accurate than the unfused model against the fp32 model"
     if not res["bitwise"] and tp == 2 and dtype != "float32":
         print(
-            "note: at TP 2 a backend summing in fp32 in rank order is bitwise the unfused run; "
-            "this one is not"
+            "note: at TP 2 a backend summing in fp32 in rank order is bitwise the unfused run; not this one"
         )
-    ok = agree and close
-    print(f"{rule}: {'yes' if close else 'NO'}; greedy tokens agree: {'yes' if agree else 'NO'} -> "
-          f"{'OK' if ok else 'MISMATCH'}")  # fmt: skip
+    print(f"{rule}: {'yes -> OK' if ok else 'NO -> MISMATCH'}")
     return 0 if ok else 1

@@ -121,7 +121,12 @@ def _check_norm(module: Any, where: str, plan: ModelPlan) -> tuple[Any, RMSNorm]
         return None
     offset, round_first = NORMS[cls]
     norm = RMSNorm(eps, offset, round_first)
-    if not _same_as_arnorm(module, weight, norm):
+    try:
+        same = _same_as_arnorm(module, weight, norm)
+    except Exception as exc:  # a module that fails on a few rows: refuse on every rank, do not hang them
+        plan.reasons.append(f"{where}: {cls} raised {type(exc).__name__} on test rows (needs a working norm)")
+        return None
+    if not same:
         plan.reasons.append(
             f"{where}: {cls} output differs from arnorm.RMSNorm(eps={eps:g}, weight_offset={offset:g}, "
             f"round_before_weight={round_first}) (needs a norm arnorm reproduces bit for bit)"

@@ -87,7 +87,10 @@ class FusedModel:
         return rows
 
     def explain(self, num_tokens: int | None = None) -> str:
-        """Each op's explanation, headed by the sites it serves."""
+        """Each op's explanation, headed by the sites it serves (above ``max_tokens``: every site unfused)."""
+        if num_tokens is not None and num_tokens > self.max_tokens:
+            head = f"{num_tokens} tokens: above max_tokens={self.max_tokens}, every site runs unfused"
+            return f"{head}\n\n{self.explain()}"
         parts = []
         for op in self._ops:
             names = [name for _, _, name, step in self._sites if step.op is op]

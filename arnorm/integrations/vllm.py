@@ -23,7 +23,7 @@ call, and it must happen before CUDA-graph capture (call :func:`warmup` first).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from arnorm._errors import InvalidInputError, NoEligibleBackendError
 from arnorm._op import AllReduceNorm
 from arnorm._types import LOCAL, QuantizedActivation, RMSNorm
 from arnorm.integrations._common import accepts_residual, gemma_add_norm, norm_eps
+from arnorm.integrations._vllm_groups import Tp, explicit_tp, vllm_coordinator, vllm_tp
 from arnorm.integrations._vllm_keys import format_of_key
 
 __all__ = [
@@ -52,24 +53,13 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass
-class _Tp:
-    """The TP group calls run on, and how the unfused path all-reduces over it."""
-
-    group: Any  # a ProcessGroup, or arnorm.LOCAL
-    cpu_group: Any
-    world_size: int
-    all_reduce: Callable[[torch.Tensor], torch.Tensor]
-    source: Any = None  # vLLM's GroupCoordinator this came from, if any
-
-
-@dataclass
 class _Settings:
     group: Any = None  # None: vLLM's
     cpu_group: Any = None
     max_tokens: int | None = None
     backend: str | Sequence[str] | None = None
-    explicit: _Tp | None = None
-    from_vllm: _Tp | None = None
+    explicit: Tp | None = None
+    from_vllm: Tp | None = None
 
 
 @dataclass
@@ -92,7 +82,6 @@ class _Entry:
 _settings = _Settings()
 _ops: dict[tuple[Any, ...], _Entry] = {}
 _lock = threading.RLock()
-_vllm_state: list[Any] = []  # [parallel_state module] or [None] once looked up
 
 
 def configure(
@@ -133,7 +122,7 @@ def configure(
         close()
         _settings.group, _settings.cpu_group = group, cpu_group
         _settings.max_tokens, _settings.backend = max_tokens, backend
-        _settings.explicit = None if group is None else _explicit_tp(group, cpu_group)
+        _settings.explicit = None if group is None else explicit_tp(group, cpu_group)
         _settings.from_vllm = None
 
 
@@ -146,66 +135,21 @@ def close() -> None:
         entry.op.close()
 
 
-def _explicit_tp(group: Any, cpu_group: Any) -> _Tp:
-    import torch.distributed as dist
-
-    if group is LOCAL or dist.get_world_size(group) == 1:
-        return _Tp(LOCAL, None, 1, lambda x: x)
-
-    def all_reduce(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=group)
-        return x
-
-    return _Tp(group, cpu_group, dist.get_world_size(group), all_reduce)
-
-
-def _vllm_parallel_state() -> Any:
-    """vLLM's ``parallel_state`` module, or None when vllm is not importable (looked up once)."""
-    if not _vllm_state:
-        try:
-            from vllm.distributed import parallel_state
-        except ImportError:
-            parallel_state = None
-        _vllm_state.append(parallel_state)
-    return _vllm_state[0]
-
-
-def _tp() -> _Tp:
+def _tp() -> Tp:
     if _settings.explicit is not None:
         return _settings.explicit
-    state = _vllm_parallel_state()
-    if state is None:
-        raise InvalidInputError(
-            "group: none configured and vllm is not importable (needs "
-            "arnorm.integrations.vllm.configure(group=...), or vLLM's parallel state)"
-        )
-    try:
-        coordinator = state.get_tp_group()
-    except AssertionError:  # vLLM asserts its groups exist
-        coordinator = None
-    if coordinator is None:
-        raise InvalidInputError(
-            "group: vLLM's tensor-parallel group is not initialized (needs vLLM's "
-            "initialize_model_parallel first, or arnorm.integrations.vllm.configure(group=...))"
-        )
+    coordinator = vllm_coordinator()
     cached = _settings.from_vllm
     if cached is not None and cached.source is coordinator:
         return cached
     with _lock:
         close()  # ops of an earlier vLLM group
-        size = int(coordinator.world_size)
-        if size == 1:
-            tp = _Tp(LOCAL, None, 1, lambda x: x, coordinator)
-        else:
-            tp = _Tp(
-                coordinator.device_group, coordinator.cpu_group, size, coordinator.all_reduce, coordinator
-            )
-        _settings.from_vllm = tp
-    return tp
+        _settings.from_vllm = vllm_tp(coordinator)
+    return _settings.from_vllm
 
 
 def _entry(
-    tp: _Tp,
+    tp: Tp,
     hidden_states: torch.Tensor,
     eps: float,
     quant: str | None,
@@ -315,7 +259,8 @@ def fused_allreduce_gemma_rms_norm(
 
     ``norm`` is any module with a ``weight`` (the raw Gemma weight: ``1 + weight`` multiplies)
     and ``variance_epsilon`` or ``eps``. On the fused path the new residual is written into
-    ``hidden_states``' buffer and returned; ``residual`` is not modified. When no backend but the
+    ``hidden_states``' buffer and returned (on the unfused path that buffer may hold the reduced
+    sum afterwards); ``residual`` is not modified. When no backend but the
     reference serves the call, or it has more tokens than the budget, this runs the unfused path:
     the all-reduce, then ``norm(reduced, residual)`` (vLLM's norms), or the same arithmetic in
     torch for a norm that takes one argument (bitwise arnorm's contract).

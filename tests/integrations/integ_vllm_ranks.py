@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import arnorm
+from arnorm.integrations import _vllm_groups as vllm_groups
 from arnorm.integrations import vllm as av
 from arnorm.quant import quantize
 
@@ -165,7 +166,7 @@ def entry_points(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
     # vllm importable: its TP group and CPU group, its all_reduce for the unfused path.
     coordinator = integ_fakes.Coordinator(dist.group.WORLD, dist.group.WORLD, world)
     integ_fakes.install_vllm(coordinator)
-    av._vllm_state.clear()
+    vllm_groups.VLLM_STATE.clear()
     av.configure()
     check_gemma_norm(rank, world, dtype, seed=4)
     op = av.op_for(HIDDEN, dtype, EPS)

@@ -109,6 +109,7 @@ def test_sites_and_ops_of_a_sandwich_model():
         )
         assert len(handle.ops) == 1 and "serves 4 site(s)" in handle.explain(4)
         assert handle.backends(9)["model.layers.1.mlp_residual"] == "unfused"  # above max_tokens
+        assert handle.explain(9).startswith("9 tokens: above max_tokens=8, every site runs unfused")
     finally:
         handle.close()
     handle.close()  # idempotent

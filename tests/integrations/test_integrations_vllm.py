@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import arnorm
+from arnorm.integrations import _vllm_groups as vllm_groups
 from arnorm.integrations import vllm as av
 from arnorm.integrations._vllm_keys import format_of_key
 from arnorm.testing import run_ranks
@@ -18,7 +19,7 @@ from arnorm.testing import run_ranks
 def _fresh_state(monkeypatch):
     """Each test starts unconfigured, with vllm looked up afresh, no op cached, and the test backends."""
     integ_fakes.install_registry()
-    monkeypatch.setattr(av, "_vllm_state", [])
+    monkeypatch.setattr(vllm_groups, "VLLM_STATE", [])
     for name in ("vllm", "vllm.distributed", "vllm.distributed.parallel_state"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     av.configure()
