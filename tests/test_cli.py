@@ -23,6 +23,7 @@ from arnorm.plugin import BackendSettings, Capabilities
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_MODEL_DEMO = importlib.util.find_spec("arnorm._demo_model") is not None
+HAS_MODEL_DEPS = all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -294,7 +295,9 @@ def test_help_shows_no_restructuredtext_markup():
 # -- demo ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not HAS_MODEL_DEMO, reason="arnorm._demo_model is not in this checkout")
+@pytest.mark.skipif(
+    not (HAS_MODEL_DEMO and HAS_MODEL_DEPS), reason="needs arnorm._demo_model and pip install 'arnorm[transformers]'"
+)
 def test_demo_model_calls_the_model_demo_with_the_options(monkeypatch):
     """`arnorm demo --model gemma3` passes model, TP, device, dtype, backend and max_tokens through."""
     import arnorm._demo_model as demo_model
