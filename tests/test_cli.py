@@ -296,7 +296,8 @@ def test_help_shows_no_restructuredtext_markup():
 
 
 @pytest.mark.skipif(
-    not (HAS_MODEL_DEMO and HAS_MODEL_DEPS), reason="needs arnorm._demo_model and pip install 'arnorm[transformers]'"
+    not (HAS_MODEL_DEMO and HAS_MODEL_DEPS),
+    reason="needs arnorm._demo_model and pip install 'arnorm[transformers]'",
 )
 def test_demo_model_calls_the_model_demo_with_the_options(monkeypatch):
     """`arnorm demo --model gemma3` passes model, TP, device, dtype, backend and max_tokens through."""

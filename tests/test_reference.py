@@ -8,18 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arnorm._reference import add_rmsnorm, rank_order_sum
+from arnorm.testing import ulp_distance as ulp_diff
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def ulp_diff(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance in units in the last place between same-dtype tensors (sign-magnitude order)."""
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
-    ia, ib = a.view(bits).long(), b.view(bits).long()
-    top = 1 << (a.element_size() * 8 - 1)
-    ia = torch.where(ia < 0, -(ia + top), ia)
-    ib = torch.where(ib < 0, -(ib + top), ib)
-    return int((ia - ib).abs().max()) if a.numel() else 0
 
 
 def float64_contract(parts, residual, weight, eps, offset):

@@ -2,6 +2,7 @@
 
 - :func:`run_ranks` runs a function on N spawned processes joined in one torch.distributed group
   (gloo on CPU); a rank that fails ends the run within seconds with its traceback.
+- :func:`ulps` / :func:`ulp_distance`: elementwise / largest distance in units in the last place.
 - :class:`ConformanceSuite` (needs pytest: ``pip install 'arnorm[test]'``) checks a backend
   against the numerics contract; subclass it and set ``backend``.
 
@@ -9,9 +10,10 @@ Timeouts are arguments (``run_ranks(..., timeout=)``, ``ConformanceSuite.timeout
 environment variable changes them.
 """
 
+from arnorm.testing._compare import ulp_distance, ulps
 from arnorm.testing._ranks import RankError, run_ranks
 
-__all__ = ["ConformanceSuite", "RankError", "run_ranks"]
+__all__ = ["ConformanceSuite", "RankError", "run_ranks", "ulp_distance", "ulps"]
 
 
 def __getattr__(name: str) -> object:

@@ -6,6 +6,7 @@ import torch
 
 from arnorm.plugin import Comm, Problem, add_rmsnorm, rank_order_sum
 from arnorm.quant import quantize
+from arnorm.testing import ulps as ulp_distance  # elementwise, as these tests use it
 
 #: Format variants: (quant, scale_layout).
 VARIANTS = [
@@ -95,20 +96,6 @@ def make_scale(quant: str | None, y_ref: torch.Tensor) -> torch.Tensor | None:
     if quant == "nvfp4":
         return torch.tensor([448.0 * 6.0 / float(y_ref.float().abs().max())], device=y_ref.device)
     return None
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Units in the last place between same-dtype floats (0 where both are NaN), as int64."""
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
-    width = 16 if bits is torch.int16 else 32
-    mag = (1 << (width - 1)) - 1
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        i = t.view(bits).to(torch.int64)
-        return torch.where(i < 0, -(i & mag), i)
-
-    d = (ordered(a) - ordered(b)).abs()
-    return torch.where(a.isnan() & b.isnan(), 0, d)
 
 
 def assert_normed_close(y: torch.Tensor, y_ref: torch.Tensor) -> None:
