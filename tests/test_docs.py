@@ -14,17 +14,50 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: Documents whose ```python blocks run as scripts (writing-a-backend.md: as a plugin, below).
 SCRIPTED = ["README.md", "docs/configuration.md", "docs/troubleshooting.md", "docs/integrations.md"]
-BLOCK = re.compile(r"(?P<marker><!-- not run: [^>]+-->\n)?```(?P<lang>\w+)\n(?P<body>.*?)```", re.S)
+BLOCK = re.compile(
+    r"(?:(?P<marker><!-- not run: [^>]+-->\n)|(?P<ranks><!-- on 2 gloo ranks: [^>]+-->\n))?"
+    r"```(?P<lang>\w+)\n(?P<body>.*?)```",
+    re.S,
+)
+#: How a block marked "on 2 gloo ranks" runs: inside arnorm.testing.run_ranks, given the names an
+#: engine has at that point (its TP group and one step's tensors).
+RANKS_HARNESS = """
+import torch
+import torch.distributed as dist
+
+from arnorm.testing import run_ranks
+
+CODE = {code!r}
+
+
+def rank(rank, world):
+    g = torch.Generator().manual_seed(rank)
+    names = {{
+        "tp_group": dist.group.WORLD,
+        "hidden_states": torch.randn(4, 4096, generator=g).bfloat16(),
+        "residual": torch.randn(4, 4096, generator=torch.Generator().manual_seed(7)).bfloat16(),
+        "weight": torch.randn(4096, generator=torch.Generator().manual_seed(8)).bfloat16(),
+        "scale": torch.tensor([0.05]),
+    }}
+    exec(CODE, names)
+    return "ok"
+
+
+if __name__ == "__main__":
+    assert run_ranks(2, rank, timeout=600) == ["ok", "ok"]
+"""
 
 
 def blocks(doc: str, lang: str) -> list[tuple[int, str, str | None]]:
-    """``(line, code, why_not_run)`` for each fenced block of ``lang`` in ``doc``."""
+    """``(line, code, why_not_run)`` for each fenced block of ``lang`` in ``doc``; a block marked
+    "on 2 gloo ranks" comes back wrapped in :data:`RANKS_HARNESS`."""
     text = (ROOT / doc).read_text()
     found = []
     for m in BLOCK.finditer(text):
         if m["lang"] == lang:
             line = text.count("\n", 0, m.start("body")) + 1
-            found.append((line, m["body"], m["marker"]))
+            code = RANKS_HARNESS.format(code=m["body"]) if m["ranks"] else m["body"]
+            found.append((line, code, m["marker"]))
     return found
 
 
