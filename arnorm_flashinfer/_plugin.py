@@ -69,6 +69,7 @@ def arnorm_backends() -> list[BackendSpec]:
             requires=("flashinfer",),
             extra="flashinfer",
             distribution="flashinfer-python",
+            min_version="0.7.2",  # the extra's floor: older releases lack the fused patterns used
             settings=FlashInferSettings,
             description=f"flashinfer.comm fused all-reduce + RMSNorm (+quant), TRT-LLM IPC; {majors}",
         )

@@ -56,6 +56,7 @@ def arnorm_backends() -> list[BackendSpec]:
             requires=("triton",),
             extra="triton",
             distribution="triton",
+            min_version="3.2",  # the extra's floor (and MIN_TRITON in _backend)
             settings=TritonSettings,
             description="torch.distributed all-reduce (or exact all-gather) + one fused Triton kernel",
         )
