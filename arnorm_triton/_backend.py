@@ -27,7 +27,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from arnorm.plugin import FORMAT_SPECS, Output, QuantizedActivation, round_up
+from arnorm.plugin import Output
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +81,7 @@ class TritonBackend:
 
         from arnorm_triton._kernels import INTERPRETED
         from arnorm_triton._launch import FusedLauncher
+        from arnorm_triton._outputs import OutputPlan
 
         self._problem = problem
         self._comm = comm
@@ -117,32 +118,18 @@ class TritonBackend:
             # One flat buffer: any T's [W * T, H] view of its head is contiguous, as the gather needs.
             numel = self._world * problem.max_tokens * h
             self._gather = torch.empty(numel, dtype=self._dtype, device=self._device)
-        # The output plan, from the format table, resolved once.
-        spec = FORMAT_SPECS[problem.quant] if problem.quant is not None else None
-        self._spec = spec
-        self._layout = None
-        self._data_dtype = self._scale_dtype = None
-        self._data_cols = self._scale_cols = 0
-        if spec is not None:
-            self._data_dtype = getattr(torch, spec.data_dtype)
-            self._data_cols = h // spec.elements_per_byte
-            if spec.scale_dtype is not None:
-                self._scale_dtype = getattr(torch, spec.scale_dtype)
-            if spec.block_size:
-                self._layout = problem.scale_layout or spec.default_layout
-                self._scale_cols = h // spec.block_size
-                if self._layout == "swizzled_128x4":
-                    self._scale_cols = round_up(self._scale_cols, 4)
-        self._swizzled = self._layout == "swizzled_128x4"
-        #: 0 none, 1 fp8_static, 2 fp8_per_token (scales [T, 1]), 3 block scales, 4 the same with
-        #: the caller's scale as global encode scale (nvfp4).
-        self._kind = 0
-        if spec is not None:
-            self._kind = (
-                1 if spec.scale_dtype is None else 2 if not spec.block_size else 4 if spec.takes_scale else 3
-            )
-        if self._kind == 2:
-            self._scale_cols = 1
+        # The output plan, from the format table, resolved once (shared with triton_symm). Bound
+        # methods as attributes: the call path pays no more lookups than an inline version.
+        plan = OutputPlan(
+            hidden=h,
+            dtype=self._dtype,
+            quant=problem.quant,
+            layout=problem.scale_layout,
+            normed=problem.normed_output,
+            device=self._device,
+        )
+        self._alloc = plan.alloc
+        self._output = plan.output
         self.fast_launch = False
 
     # -- selection --------------------------------------------------------------------------
@@ -221,22 +208,6 @@ class TritonBackend:
 
     # -- the call ---------------------------------------------------------------------------
 
-    def _alloc(self, t: int) -> tuple[Any, Any, Any]:
-        """This call's outputs besides the residual: normed, codes, and the scales it computes
-        (``None`` where the variant has none), shaped and typed by the format table."""
-        import torch
-
-        dev = self._device
-        y = torch.empty((t, self._hidden), dtype=self._dtype, device=dev) if self._normed else None
-        kind = self._kind
-        if kind == 0:
-            return y, None, None
-        q = torch.empty((t, self._data_cols), dtype=self._data_dtype, device=dev)
-        if kind == 1:  # fp8_static: the caller's scale is the dequant scale
-            return y, q, None
-        rows = round_up(t, 128) if self._swizzled else t
-        return y, q, torch.empty((rows, self._scale_cols), dtype=self._scale_dtype, device=dev)
-
     def __call__(
         self,
         hidden_states: torch.Tensor,
@@ -280,15 +251,7 @@ class TritonBackend:
             hs = hs if self._inplace else hidden
         y, q, sf = self._alloc(t)
         self._launcher.launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs)
-        kind = self._kind
-        if kind == 0:
-            return Output(y, h_out, None)
-        if kind == 1:
-            return Output(y, h_out, QuantizedActivation(q, scale, "fp8_static"))  # type: ignore[arg-type]
-        if kind == 2:
-            return Output(y, h_out, QuantizedActivation(q, sf, "fp8_per_token"))
-        gs = scale if kind == 4 else None  # nvfp4 keeps the caller's global encode scale
-        return Output(y, h_out, QuantizedActivation(q, sf, self._quant, self._layout, gs))  # type: ignore[arg-type]
+        return self._output(y, h_out, q, sf, scale)
 
     def close(self) -> None:
         """Drop the gather buffer (idempotent; nothing else is held)."""

@@ -58,8 +58,8 @@ class TritonSymmBackend:
         import torch
 
         from arnorm_triton._kernels import INTERPRETED
+        from arnorm_triton._outputs import OutputPlan
         from arnorm_triton._symm_launch import SymmLauncher
-        from arnorm_triton._symm_outputs import OutputPlan
 
         self._problem = problem
         self._comm = comm

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from arnorm.plugin import Output
+from arnorm_triton._outputs import OutputPlan
 from arnorm_triton._symm_launch import SymmLauncher
-from arnorm_triton._symm_outputs import OutputPlan
 from arnorm_triton._symm_workspace import Layout, SymmWorkspace, emulated, plan_layout
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""What a ``triton_symm`` call returns besides the residual, planned once per op from the format table."""
+"""What a `triton` or `triton_symm` call returns besides the residual, planned once per op."""
 
 from __future__ import annotations
 
