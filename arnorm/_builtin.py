@@ -19,6 +19,7 @@ def arnorm_backends() -> list[BackendSpec]:
                 quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
                 round_before_weight=True,
                 strided_rows=True,
+                residual_free=True,
             ),
             loader="arnorm._reference:ReferenceBackend",
             requires=("torch",),

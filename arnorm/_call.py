@@ -18,7 +18,15 @@ from arnorm._validate import CallRules, check_call
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["INFERENCE_ONLY", "Trust", "guard", "agree_call", "no_backend"]
+__all__ = [
+    "INFERENCE_ONLY",
+    "Trust",
+    "ZeroResidual",
+    "agree_call",
+    "guard",
+    "no_backend",
+    "with_zero_residual",
+]
 
 INFERENCE_ONLY = (
     "backward: reached an arnorm op (needs torch.no_grad() or torch.inference_mode(): arnorm computes "
@@ -70,7 +78,9 @@ class Trust:
         return ok and self._keep(self.scales, s, ptr)
 
 
-def guard(out: Output, hidden_states: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> Output:
+def guard(
+    out: Output, hidden_states: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+) -> Output:
     """Attach a grad_fn that raises :class:`InferenceOnlyError` to every floating output."""
     return _guard_fn()(out, hidden_states, residual, weight)
 
@@ -145,3 +155,46 @@ def agree_call(
     raise InvalidInputError(
         f"calls: differ across ranks or were rejected ({detail}) (needs the same call on every rank)"
     )
+
+
+class ZeroResidual:
+    """A backend without ``Capabilities.residual_free`` serving an ``add_residual=False`` op.
+
+    Each call hands it the first ``T`` rows of a ``-0.0`` buffer as the residual: in IEEE
+    arithmetic ``x + -0.0 == x`` for every ``x`` (``-0.0`` and NaN included), so the result is
+    bitwise the residual-free contract, at the cost of reading ``T * H`` more elements. Everything
+    else (``check_tokens``, ``close``, ``input_buffer``) is the backend's own.
+    """
+
+    def __init__(self, impl: Any, zeros: torch.Tensor) -> None:
+        self.impl = impl
+        self._zeros = zeros
+
+    def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any) -> Output:
+        return self.impl(hidden_states, self._zeros[: hidden_states.shape[0]], weight, scale)
+
+    def close(self) -> None:
+        self._zeros = self._zeros[:0]
+        self.impl.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.impl, name)
+
+    def __repr__(self) -> str:
+        return f"ZeroResidual({self.impl!r})"
+
+
+def with_zero_residual(
+    chain: list[Any], native: list[bool], table: list[int], problem: Any, device: Any
+) -> list[Any]:
+    """``chain`` with every backend that cannot serve ``residual=None`` itself wrapped in
+    :class:`ZeroResidual`; one ``-0.0`` buffer, as many rows as the largest ``T`` they serve."""
+    if all(native):
+        return chain
+    rows = max((t for t, i in enumerate(table) if i >= 0 and not native[i]), default=0)
+    if rows == 0:  # the backends that would need it serve no token count
+        return chain
+    import torch
+
+    zeros = torch.full((rows, problem.hidden_size), -0.0, dtype=getattr(torch, problem.dtype), device=device)
+    return [impl if ok else ZeroResidual(impl, zeros) for impl, ok in zip(chain, native, strict=True)]

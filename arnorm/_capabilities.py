@@ -35,6 +35,10 @@ class Capabilities(BaseModel):
       ``RMSNorm(round_before_weight=True)``.
     - ``strided_rows``: whether ``hidden_states`` / ``residual`` may be ``[T, H]`` views with
       unit column stride and a row stride above ``H`` (taken without a copy).
+    - ``residual_free``: whether the backend serves ops built with ``add_residual=False``
+      (``residual=None`` reaches it) itself. It never excludes a backend: for one that does not,
+      arnorm passes rows of a ``-0.0`` buffer as the residual (``x + -0.0 == x`` bit for bit), at
+      the cost of reading them.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -56,6 +60,7 @@ class Capabilities(BaseModel):
     weight_offsets: frozenset[float] | None = None
     round_before_weight: bool = False
     strided_rows: bool = False
+    residual_free: bool = False
 
     def __hash__(self) -> int:
         return hash(tuple((k, _hashable(v)) for k, v in self))

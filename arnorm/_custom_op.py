@@ -128,13 +128,13 @@ def _define_ops() -> None:
         @torch.library.custom_op(
             "arnorm::all_reduce_norm_",
             mutates_args=("hidden_states",),
-            schema="(int handle, Tensor(a!) hidden_states, Tensor residual, Tensor weight, Tensor? scale)"
+            schema="(int handle, Tensor(a!) hidden_states, Tensor? residual, Tensor weight, Tensor? scale)"
             " -> (Tensor, Tensor, Tensor)",
         )
         def all_reduce_norm_(
             handle: int,
             hidden_states: torch.Tensor,
-            residual: torch.Tensor,
+            residual: torch.Tensor | None,
             weight: torch.Tensor,
             scale: torch.Tensor | None,
         ) -> tuple[torch.Tensor, ...]:
@@ -147,13 +147,13 @@ def _define_ops() -> None:
         @torch.library.custom_op(
             "arnorm::all_reduce_norm",
             mutates_args=(),
-            schema="(int handle, Tensor hidden_states, Tensor residual, Tensor weight, Tensor? scale)"
+            schema="(int handle, Tensor hidden_states, Tensor? residual, Tensor weight, Tensor? scale)"
             " -> (Tensor, Tensor, Tensor, Tensor)",
         )
         def all_reduce_norm(
             handle: int,
             hidden_states: torch.Tensor,
-            residual: torch.Tensor,
+            residual: torch.Tensor | None,
             weight: torch.Tensor,
             scale: torch.Tensor | None,
         ) -> tuple[torch.Tensor, ...]:
@@ -186,7 +186,7 @@ def _define_ops() -> None:
         def backward(ctx: Any, *grads: Any) -> Any:
             # Every differentiable input gets the raising op as its gradient, so that whichever
             # one autograd needs (a weight that is a parameter, usually) runs it.
-            marks = [torch.ops.arnorm.inference_only(t) for t in ctx.saved_tensors]
+            marks = [None if t is None else torch.ops.arnorm.inference_only(t) for t in ctx.saved_tensors]
             return None, *marks, None
 
         all_reduce_norm.register_autograd(backward, setup_context=setup_context)
@@ -197,7 +197,7 @@ def call_custom_op(
     op: Any,
     handle: int,
     hidden_states: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     scale: Any,
 ) -> Output:
@@ -205,7 +205,9 @@ def call_custom_op(
     import torch
 
     grad = torch.is_grad_enabled() and (
-        hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
+        hidden_states.requires_grad
+        or (residual is not None and residual.requires_grad)
+        or weight.requires_grad
     )
     if op._problem.inplace and grad:
         h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(

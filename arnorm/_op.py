@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from arnorm._call import Trust, agree_call, guard, no_backend
+from arnorm._call import Trust, agree_call, guard, no_backend, with_zero_residual
 from arnorm._comm import Comm
 from arnorm._config import Config, load_config
 from arnorm._custom_op import call_custom_op, register_handle, unregister_handle
@@ -90,6 +90,7 @@ def build_problem(
     normed_output: object,
     inplace: object,
     device: torch.device,
+    add_residual: object = True,
 ) -> Problem:
     """Check an op's arguments and describe them as a :class:`Problem` (raises InvalidInputError)."""
     import torch
@@ -103,7 +104,11 @@ def build_problem(
             f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))"
         )
     tokens = _positive_int("max_tokens", max_tokens)
-    for arg, value in (("normed_output", normed_output), ("inplace", inplace)):
+    for arg, value in (
+        ("normed_output", normed_output),
+        ("inplace", inplace),
+        ("add_residual", add_residual),
+    ):
         if not isinstance(value, bool):
             raise InvalidInputError(f"{arg}: {value!r} (needs True or False)")
     layout = None
@@ -134,6 +139,7 @@ def build_problem(
         arch=arch,
         gfx_arch=gfx,
         round_before_weight=norm.round_before_weight,
+        add_residual=bool(add_residual),
     )
 
 
@@ -160,7 +166,8 @@ class AllReduceNorm:
         quant        = Q(normed)                                                # -> Output.quant
 
     (with ``RMSNorm(round_before_weight=True)``, ``normed`` rounds ``residual_out * rsqrt(...)`` to
-    ``D`` before the weight multiply). Construction is collective and does everything slow
+    ``D`` before the weight multiply; with ``add_residual=False`` there is no residual and
+    ``residual_out = D(sum_r fp32(x_r))``). Construction is collective and does everything slow
     (discovery, probing, cross-rank agreement, workspace creation) so that a call does no host
     sync, no discovery and no allocation beyond its outputs. Every rank of ``tp_group`` builds the
     op with the same arguments, from one thread, in the same order. One op serves every layer
@@ -177,6 +184,9 @@ class AllReduceNorm:
         backend: ``None`` for auto, or a name / ordered list of names (strict: no fallback).
         normed_output: also return the normed activation in ``dtype``.
         inplace: write the new residual into ``hidden_states``' buffer.
+        add_residual: ``False`` for an all-reduce + norm with no residual add (Gemma2/3's norm
+            right after the attention / MLP output): calls pass ``residual=None``, and no
+            residual is read.
         scale_layout: nvfp4 / mxfp8 block-scale layout (defaults: ``swizzled_128x4`` / ``linear``).
         device: where the tensors live (default: the current CUDA device, else CPU).
         cpu_group: a gloo group over the same ranks, for agreement. Needed when ``tp_group`` is a
@@ -206,6 +216,7 @@ class AllReduceNorm:
         device: torch.device | str | None = None,
         cpu_group: Any = None,
         config: Config | None = None,
+        add_residual: bool = True,
     ) -> None:
         self._closed = True  # until construction succeeds, so close() stays safe
         self._chain: list[Any] = []
@@ -218,13 +229,13 @@ class AllReduceNorm:
             raise InvalidInputError(msg)
         try:
             self._build(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output,
-                        inplace, scale_layout, device, cpu_group, config)  # fmt: skip
+                        inplace, scale_layout, device, cpu_group, config, add_residual)  # fmt: skip
         finally:
             _building.release()
 
     def _build(self, tp_group: Any, hidden_size: Any, dtype: Any, norm: Any, quant: Any, max_tokens: Any,
                backend: Any, normed_output: Any, inplace: Any, scale_layout: Any, device: Any, cpu_group: Any,
-               config: Any) -> None:  # fmt: skip
+               config: Any, add_residual: Any) -> None:  # fmt: skip
         import torch
 
         # Everything that may fail on one rank only travels in the first gather, so every rank
@@ -244,7 +255,7 @@ class AllReduceNorm:
             problem = build_problem(
                 comm.world_size, hidden_size=hidden_size, dtype=dtype, norm=norm, quant=quant,
                 scale_layout=scale_layout, max_tokens=max_tokens, normed_output=normed_output,
-                inplace=inplace, device=dev,
+                inplace=inplace, device=dev, add_residual=add_residual,
             )  # fmt: skip
             if config is None:
                 config = load_config()
@@ -259,12 +270,16 @@ class AllReduceNorm:
         agree(comm, facts, error)
         plan = select(problem, comm, config, pref, registry, settings)
         self._problem, self._comm, self._device = problem, comm, dev
-        self._explanation, self._chain = plan.explanation, plan.chain
-        self._table = [None if i < 0 else plan.chain[i] for i in plan.table]
-        strided = all(registry.get(n).spec.capabilities.strided_rows for n in plan.explanation.chain)  # type: ignore[union-attr]
+        caps = [registry.get(n).spec.capabilities for n in plan.explanation.chain]  # type: ignore[union-attr]
+        chain = plan.chain
+        if not problem.add_residual:
+            chain = with_zero_residual(chain, [c.residual_free for c in caps], plan.table, problem, dev)
+        self._explanation, self._chain = plan.explanation, chain
+        self._table = [None if i < 0 else chain[i] for i in plan.table]
+        strided = all(c.strided_rows for c in caps)
         self._rules = CallRules(problem.hidden_size, problem.max_tokens, getattr(torch, problem.dtype),
                                 dev, problem.quant, needs_scale(problem.quant), problem.inplace,
-                                strided)  # fmt: skip
+                                strided, problem.add_residual)  # fmt: skip
         # Hot-path constants: attribute reads on self are most of the cost of a valid call.
         self._max_tokens = problem.max_tokens
         self._hidden = problem.hidden_size
@@ -276,6 +291,7 @@ class AllReduceNorm:
         self._index = -1 if dev.index is None else dev.index
         self._scaled = self._rules.needs_scale
         self._inplace = problem.inplace
+        self._add_residual = problem.add_residual
         self._trust = Trust(self._rules)
         self._trusted_weights = self._trust.weights
         self._trusted_scales = self._trust.scales
@@ -295,7 +311,7 @@ class AllReduceNorm:
     def __call__(
         self,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
         weight: torch.Tensor,
         scale: torch.Tensor | None = None,
     ) -> Output:
@@ -305,6 +321,7 @@ class AllReduceNorm:
             hidden_states: ``[T, H]`` this rank's partial sum (becomes the new residual when the
                 op is in place). Rows may be strided when every backend of the op says so.
             residual: ``[T, H]``, not modified; must not share memory with ``hidden_states``.
+                ``None`` exactly when the op was built with ``add_residual=False``.
             weight: ``[H]`` norm weight in the op's dtype (raw Gemma weight; the offset is added).
             scale: fp32 ``[1]`` on the op's device: the dequant scale (fp8_static) or the global
                 encode scale (nvfp4); ``None`` for the other formats.
@@ -316,6 +333,8 @@ class AllReduceNorm:
         if self._check_calls:
             self._seq += 1
             agree_call(self._comm, self._rules, self._seq, hidden_states, residual, weight, scale)
+        if residual is None:
+            return self._call_without_residual(hidden_states, weight, scale)
         if not self._in_call.acquire(False):
             raise InvalidInputError("op: called from two threads at once (needs one call at a time per op)")
         try:
@@ -348,6 +367,7 @@ class AllReduceNorm:
                     )
                 ok = (
                     ok
+                    and self._add_residual
                     and hidden_states.dtype is dt
                     and residual.dtype is dt
                     and len(shape) == 2
@@ -390,6 +410,69 @@ class AllReduceNorm:
                 raise self._closed_error() if self._closed else no_backend(t)
             out = impl(hidden_states, residual, weight, scale)
             return guard(out, hidden_states, residual, weight) if grad else out
+        finally:
+            self._in_call.release()
+
+    def _call_without_residual(self, hidden_states: Any, weight: Any, scale: Any) -> Output:
+        # The rule of __call__'s fast test with no residual to place or compare (the same
+        # property test covers both); the weight and scale parts are the same expressions.
+        if not self._in_call.acquire(False):
+            raise InvalidInputError("op: called from two threads at once (needs one call at a time per op)")
+        try:
+            try:
+                shape = hidden_states.shape
+                t = shape[0]
+                h = self._hidden
+                hp, wp = hidden_states.data_ptr(), weight.data_ptr()
+                if hidden_states.is_contiguous():
+                    hn = t * self._row_bytes
+                    ok = not self._add_residual
+                elif self._strided:
+                    hst = hidden_states.stride()
+                    hn = ((t - 1) * hst[0] + h) * self._itemsize
+                    ok = not self._add_residual and (h == 1 or hst[1] == 1) and (t == 1 or hst[0] >= h)
+                else:
+                    ok = False
+                if self._on_cpu:
+                    ok = ok and hidden_states.is_cpu
+                else:
+                    ok = ok and hidden_states.get_device() == self._index
+                ok = (
+                    ok
+                    and hidden_states.dtype is self._dtype
+                    and len(shape) == 2
+                    and shape[1] == h
+                    and 0 < t <= self._max_tokens
+                    and (
+                        (weight is self._last_weight and wp == self._last_wptr)
+                        or self._trusted_weights.get(id(weight)) == wp
+                        or self._trust_weight(weight, wp)
+                    )
+                    and (wp >= hp + hn or hp >= wp + self._row_bytes)
+                )
+                if scale is not None:
+                    sp = scale.data_ptr()
+                    ok = (
+                        ok
+                        and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
+                        and (sp >= hp + hn or hp >= sp + 4)
+                    )
+                elif self._scaled:
+                    ok = False
+                grad = ok and self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+                if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
+                    ok = False
+            except (AttributeError, TypeError, IndexError, RuntimeError):
+                ok = grad = False
+            if not ok:
+                check_call(self._rules, hidden_states, None, weight, scale)
+                grad = self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+                t = hidden_states.shape[0]
+            impl = self._table[t]
+            if impl is None:
+                raise self._closed_error() if self._closed else no_backend(t)
+            out = impl(hidden_states, None, weight, scale)
+            return guard(out, hidden_states, None, weight) if grad else out
         finally:
             self._in_call.release()
 
@@ -510,7 +593,7 @@ _cache_lock = threading.Lock()
 
 def fused_allreduce_norm(
     hidden_states: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     *,
     group: Any,
@@ -524,7 +607,8 @@ def fused_allreduce_norm(
     """One-shot form of :class:`AllReduceNorm`, with the op cached per signature.
 
     ``group`` is required: a ``ProcessGroup`` or :data:`arnorm.LOCAL`. The first call for a
-    signature (group, hidden size, dtype, device, eps, offset, rounding order, quant, inplace) builds
+    signature (group, hidden size, dtype, device, eps, offset, rounding order, quant, inplace, and
+    whether ``residual`` is ``None``: an op with ``add_residual=False``) builds
     an op (collective); a call with more tokens than the cached op's budget builds a larger one.
     At most :data:`CACHE_SIZE` ops are kept; the least recently used is closed when another is
     needed (identically on every rank, when every rank makes the same calls). Engines should keep
@@ -536,7 +620,8 @@ def fused_allreduce_norm(
         raise InvalidInputError("hidden_states: needs a 2-D torch.Tensor [tokens, hidden]")
     t, h = hidden_states.shape
     norm = RMSNorm(eps, weight_offset, round_before_weight)
-    key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace)
+    add_residual = residual is not None
+    key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual)
     with _cache_lock:
         op = _cache.get(key)
         if op is None or op._closed or t > op._max_tokens:
@@ -545,7 +630,8 @@ def fused_allreduce_norm(
                 del _cache[key]
             budget = max(8192, 1 << (int(t) - 1).bit_length())
             op = AllReduceNorm(group, hidden_size=h, dtype=hidden_states.dtype, norm=norm, quant=quant,
-                               max_tokens=budget, inplace=inplace, device=hidden_states.device)  # fmt: skip
+                               max_tokens=budget, inplace=inplace, device=hidden_states.device,
+                               add_residual=add_residual)  # fmt: skip
             _cache[key] = op
             while len(_cache) > CACHE_SIZE:
                 _, evicted = _cache.popitem(last=False)

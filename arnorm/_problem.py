@@ -18,6 +18,8 @@ class Problem:
     ``(major, minor)`` or, on ROCm, ``(0, 0)`` with the gfx name in ``gfx_arch``.
     ``quant`` is ``None`` or one of :data:`arnorm.QUANT_FORMATS` and ``scale_layout`` is set for
     nvfp4 and mxfp8 only. ``round_before_weight`` is :attr:`arnorm.RMSNorm.round_before_weight`.
+    ``add_residual=False``: an all-reduce + norm with no residual add (calls pass ``residual=None``;
+    the new residual is the reduced sum itself).
     """
 
     world_size: int
@@ -35,6 +37,7 @@ class Problem:
     arch: tuple[int, int] | None = None
     gfx_arch: str | None = None
     round_before_weight: bool = False
+    add_residual: bool = True
 
     @property
     def quant_name(self) -> str:
@@ -47,7 +50,8 @@ class Problem:
         if self.round_before_weight:
             norm += "/round-before-weight"
         layout = f"/{self.scale_layout}" if self.scale_layout else ""
+        residual = "" if self.add_residual else " no-residual"
         return (
             f"tp={self.world_size} hidden={self.hidden_size} {self.dtype} "
-            f"quant={self.quant_name}{layout} {norm} {self.platform}"
+            f"quant={self.quant_name}{layout} {norm}{residual} {self.platform}"
         )

@@ -38,7 +38,9 @@ class FusedAllReduceNorm(Protocol):
        must be cheap and depend on the count alone; never called per step.
     4. ``__call__(hidden_states, residual, weight, scale)``: one fused step; ``hidden_states`` is
        this rank's partial sum ``[T, H]``. Inputs arrive validated (and contiguous unless the
-       capabilities declare ``strided_rows``). Returns an :class:`arnorm.Output`. No host
+       capabilities declare ``strided_rows``). ``residual`` is ``None`` for an op built with
+       ``add_residual=False`` when the capabilities declare ``residual_free`` (undeclared, such
+       an op hands the backend ``-0.0`` rows instead). Returns an :class:`arnorm.Output`. No host
        synchronization, no allocation beyond outputs.
     5. ``close()``: frees this rank's resources. Local (no collective: the core may close a backend
        on some ranks only, after another rank failed its setup) and idempotent.

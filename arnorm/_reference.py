@@ -3,7 +3,8 @@
 Steps (DESIGN.md, "Numerics contract"), for partials ``x_r`` in dtype ``D``:
 
 1. ``s = D(sum_r fp32(x_r))``, fp32 accumulation in rank order, one rounding;
-2. ``h = D(fp32(s) + fp32(residual))``                                   -> ``Output.residual``;
+2. ``h = D(fp32(s) + fp32(residual))``                                   -> ``Output.residual``
+   (no residual, ``add_residual=False``: ``h = s``);
 3. ``y = D(fp32(h) * rsqrt(mean(fp32(h)**2) + eps) * (b + fp32(g)))``     -> ``Output.normed``
    (``round_before_weight``: ``y = D(fp32(D(fp32(h) * rsqrt(...))) * (b + fp32(g)))``);
 4. ``q = Q(y)``: the quantizer reads the ``D``-rounded ``y``              -> ``Output.quant``.
@@ -36,7 +37,7 @@ def rank_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def add_rmsnorm(
     reduced: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     weight_offset: float,
@@ -44,11 +45,12 @@ def add_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 2 and 3: ``(h, y)`` from the reduced sum ``s``; both in the dtype of ``reduced``.
 
-    ``reduced`` and ``residual`` are ``[T, H]`` (any row strides), ``weight`` is ``[H]``.
+    ``reduced`` and ``residual`` are ``[T, H]`` (any row strides), ``weight`` is ``[H]``;
+    ``residual=None`` is no add (``h`` is ``reduced`` itself, not a copy).
     """
     import torch
 
-    h = (reduced.float() + residual.float()).to(reduced.dtype)
+    h = reduced if residual is None else (reduced.float() + residual.float()).to(reduced.dtype)
     hf = h.float()
     inv_rms = torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps)
     normalized = hf * inv_rms
@@ -96,7 +98,7 @@ class ReferenceBackend:
     def __call__(
         self,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
         weight: torch.Tensor,
         scale: torch.Tensor | None,
     ) -> Output:
@@ -109,6 +111,8 @@ class ReferenceBackend:
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)
+        elif h is hidden_states:  # no residual at TP 1: the output is a new tensor all the same
+            h = h.clone()
         return Output(y if p.normed_output else None, h, q)
 
     def close(self) -> None:

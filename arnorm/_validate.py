@@ -8,6 +8,7 @@ passes the same shapes raises the same error before any collective.
 
 A call is accepted when:
 
+- ``residual`` is ``None`` exactly when the op was built with ``add_residual=False``;
 - ``hidden_states`` and ``residual`` are ``[T, H]`` tensors of the op's dtype on the op's device
   (a meta tensor is never on it), ``1 <= T <= max_tokens``, with contiguous rows: contiguous, or,
   when every backend of the op takes strided rows, column stride 1 and row stride ``>= H``;
@@ -50,6 +51,7 @@ class CallRules:
     needs_scale: bool
     inplace: bool
     strided_rows: bool
+    add_residual: bool = True
 
 
 def span(t: Any, rows: int, cols: int) -> tuple[int, int]:
@@ -97,6 +99,26 @@ def _check_tensor(arg: str, t: object, rules: CallRules) -> torch.Tensor:
     return t
 
 
+def _check_residual(residual: object, shape: tuple[int, ...], rules: CallRules) -> torch.Tensor | None:
+    if not rules.add_residual:
+        if residual is not None:
+            raise InvalidInputError(
+                f"residual: {type(residual).__name__} (needs None: the op was built with add_residual=False)"
+            )
+        return None
+    if residual is None:
+        raise InvalidInputError(
+            f"residual: None (needs a [tokens, {rules.hidden}] tensor; for a norm with no residual add, "
+            "build the op with add_residual=False)"
+        )
+    res = _check_tensor("residual", residual, rules)
+    if tuple(res.shape) != shape:
+        raise InvalidInputError(
+            f"residual: shape {list(res.shape)} (needs {list(shape)}, the shape of hidden_states)"
+        )
+    return res
+
+
 def check_call(
     rules: CallRules, hidden_states: object, residual: object, weight: object, scale: object
 ) -> None:
@@ -112,13 +134,9 @@ def check_call(
         raise InvalidInputError(
             f"hidden_states: {shape[0]} tokens (needs 1 to {t_max}; build the op with a larger max_tokens)"
         )
-    res = _check_tensor("residual", residual, rules)
-    if tuple(res.shape) != shape:
-        raise InvalidInputError(
-            f"residual: shape {list(res.shape)} (needs {list(shape)}, the shape of hidden_states)"
-        )
+    res = _check_residual(residual, shape, rules)
     for arg, t in (("hidden_states", hs), ("residual", res)):
-        if not _rows_ok(t, rules):
+        if t is not None and not _rows_ok(t, rules):
             raise InvalidInputError(_layout_message(arg, t, rules))
     w = _check_tensor("weight", weight, rules)
     if tuple(w.shape) != (h,):
@@ -146,7 +164,7 @@ def check_call(
             f"scale: {type(scale).__name__} (needs None: quant={rules.quant!r} takes no input scale)"
         )
     hs_span = span(hs, shape[0], h)
-    if _overlap(hs_span, span(res, shape[0], h)):
+    if res is not None and _overlap(hs_span, span(res, shape[0], h)):
         raise InvalidInputError("residual: overlaps hidden_states' memory (needs a separate buffer)")
     if _overlap(hs_span, span(w, 1, h)):
         raise InvalidInputError("weight: overlaps hidden_states' memory (needs a separate buffer)")

@@ -108,6 +108,7 @@ class TritonBackend:
             eps=problem.eps,
             weight_offset=problem.weight_offset,
             round_before_weight=problem.round_before_weight,
+            add_residual=problem.add_residual,
             soft=soft,
             soft_fp8=soft_fp8,
             pdl=pdl,
@@ -211,7 +212,7 @@ class TritonBackend:
     def __call__(
         self,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
         weight: torch.Tensor,
         scale: torch.Tensor | None,
     ) -> Output:
@@ -219,7 +220,10 @@ class TritonBackend:
         hidden = self._hidden
         # Row strides; a single row's stride is never used (and may be anything): pass H.
         xs = hs = hidden_states.stride(0) if t > 1 else hidden
-        rs = residual.stride(0) if t > 1 else hidden
+        if residual is None:  # add_residual=False: the kernel never reads it; any aligned pointer
+            residual, rs = weight, hidden
+        else:
+            rs = residual.stride(0) if t > 1 else hidden
         if self._world == 1:
             x = hidden_states
             if self._inplace:

@@ -4,7 +4,7 @@ Per row ``t`` (``H`` = hidden size, ``D`` = the dtype, ``W`` = ``NUM_PARTIALS``;
 "Numerics contract")::
 
     s   = D(sum_{r<W} fp32(x[r, t]))              # W = 1: x is the already all-reduced sum
-    h   = D(fp32(s) + fp32(res[t]))               -> h_ptr (the new residual)
+    h   = D(fp32(s) + fp32(res[t]))               -> h_ptr (the new residual; HAS_RESIDUAL=False: h = s)
     n   = fp32(h) * (1 / sqrt_rn(sum(fp32(h)**2) / H + eps))
     y   = D(n * (fp32(w) + weight_offset))        (ROUND_BEFORE_WEIGHT: D(fp32(D(n)) * (...)))
                                                   -> y_ptr (when WRITE_NORMED)
@@ -160,7 +160,7 @@ def norm_quant_epilogue(
     s, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
-    SOFT: tl.constexpr, SOFT_FP8: tl.constexpr,
+    SOFT: tl.constexpr, SOFT_FP8: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True,
 ):  # fmt: skip
     """Steps 2-4 of the contract for one row, from its reduced sum ``s``; writes every output.
 
@@ -188,6 +188,8 @@ def norm_quant_epilogue(
         QUANT: 0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4, 4 mxfp8 (:data:`QUANT_CODES`).
         ROUND_BEFORE_WEIGHT: round ``x * rsqrt(...)`` to ``D`` before the weight multiply.
         SOFT, SOFT_FP8: integer-bit bf16 / e4m3 rounding (:mod:`arnorm_triton._casts`).
+        HAS_RESIDUAL: False for ops built with ``add_residual=False``: ``h = s``, and ``res_ptr``
+            is never read.
 
     Writes exactly: ``h`` row ``t``; ``y`` row ``t`` (WRITE_NORMED); codes row ``t`` and this row's
     scales (QUANT > 0). Reads ``res``, ``w``, ``scale`` and nothing else; no barrier beyond the
@@ -201,7 +203,8 @@ def norm_quant_epilogue(
     row64 = row.to(tl.int64)
 
     # Every load first: the weight and the scale leave the critical path of the reductions.
-    res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
     w = to_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0), SOFT) + weight_offset
     if QUANT == 1 or QUANT == 3:
         scale = tl.load(scale_ptr)
@@ -209,7 +212,10 @@ def norm_quant_epilogue(
         scale = 1.0
 
     # Step 2: h = D(s + res), rounded before the statistic (the contract's order).
-    h = to_dtype_rne(s + to_fp32(res, SOFT), DTYPE, SOFT)
+    if HAS_RESIDUAL:
+        h = to_dtype_rne(s + to_fp32(res, SOFT), DTYPE, SOFT)
+    else:  # s is already D-valued: the rounding is exact
+        h = to_dtype_rne(s, DTYPE, SOFT)
     tl.store(h_ptr + row64 * h_stride + offs, h, mask=mask)
     hf = to_fp32(h, SOFT)
 
@@ -281,6 +287,7 @@ def fused_add_rmsnorm_quant_kernel(
     SOFT: tl.constexpr,  # integer-bit bf16 rounding (the interpreter)
     SOFT_FP8: tl.constexpr,  # integer-bit e4m3 rounding (interpreter, pre-SM89, ROCm)
     USE_PDL: tl.constexpr,  # programmatic dependent launch (SM 9.0+, launched with launch_pdl)
+    HAS_RESIDUAL: tl.constexpr,  # False: add_residual=False, res_ptr is never read
 ):
     """One program per row; with swizzled block scales, :func:`padding_programs` more programs
     zero the padding rows of the last 128-row tile, 32 rows each.
@@ -304,7 +311,7 @@ def fused_add_rmsnorm_quant_kernel(
             acc = to_fp32(to_dtype_rne(acc, h_ptr.dtype.element_ty, SOFT), SOFT)
         norm_quant_epilogue(acc, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr,
                             sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
-                            WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+                            WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, HAS_RESIDUAL)  # fmt: skip
     else:
         if SWIZZLED:
             zero_padding_rows(sf_ptr, row - n_rows, n_rows, HIDDEN, BLOCK, GROUP)

@@ -68,6 +68,7 @@ class FusedLauncher:
         eps: float,
         weight_offset: float,
         round_before_weight: bool = False,
+        add_residual: bool = True,
         soft: bool,
         soft_fp8: bool,
         pdl: bool = False,
@@ -99,6 +100,7 @@ class FusedLauncher:
             "SOFT": soft,
             "SOFT_FP8": soft_fp8,
             "USE_PDL": pdl,
+            "HAS_RESIDUAL": add_residual,
         }
         names = K.fused_add_rmsnorm_quant_kernel.arg_names
         self._const_tail = tuple(self.constexprs[n] for n in names[names.index("HIDDEN") :])

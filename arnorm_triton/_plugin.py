@@ -25,6 +25,7 @@ CAPABILITIES = Capabilities(
     max_hidden=MAX_HIDDEN,
     round_before_weight=True,
     strided_rows=True,
+    residual_free=True,
 )
 
 

@@ -282,3 +282,29 @@ def malformed_setting_on_one_rank(rank: int, world: int):
     except arnorm.ConfigError as exc:
         return str(exc)
     return "built"
+
+
+def without_residual(rank: int, world: int, backend: str | None):
+    """An add_residual=False op on every rank; returns (backend, residual bitwise, normed bitwise,
+    whether the backend is served through the -0.0 residual buffer)."""
+    from arnorm._call import ZeroResidual
+
+    dtype = torch.bfloat16
+    partials, _, weight = make_inputs(rank, world, 5, 32, dtype, seed=3)
+    partials[0][0, :4] = -0.0  # a sum of negative zeros stays -0.0 only without a +0.0 residual
+    for p in partials[1:]:
+        p[0, :4] = -0.0
+    with arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD,
+        hidden_size=32,
+        dtype=dtype,
+        norm=arnorm.RMSNorm(1e-6, 1.0),
+        backend=backend,
+        max_tokens=8,
+        add_residual=False,
+    ) as op:
+        out = op(partials[rank].clone(), None, weight)
+        h, y = add_rmsnorm(rank_order_sum(partials), None, weight, 1e-6, 1.0)
+        same = torch.equal(out.residual.view(torch.int16), h.view(torch.int16))
+        wrapped = isinstance(op._table[5], ZeroResidual)
+        return op.backend, same, torch.equal(out.normed.view(torch.int16), y.view(torch.int16)), wrapped

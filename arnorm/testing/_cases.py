@@ -33,6 +33,7 @@ class Case:
     layout: str | None
     weight_offset: float
     round_before_weight: bool = False
+    add_residual: bool = True
 
     @property
     def id(self) -> str:
@@ -40,7 +41,8 @@ class Case:
         if self.layout:
             q += f"/{self.layout}"
         rbw = "-rbw" if self.round_before_weight else ""
-        return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-b{self.weight_offset:g}{rbw}"
+        nores = "" if self.add_residual else "-nores"
+        return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-b{self.weight_offset:g}{rbw}{nores}"
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ def build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, 
             max_tokens=max_tokens,
             backend=backend,
             device=device,
+            add_residual=case.add_residual,
         )
     except arnorm.SelectionError as exc:
         verdict = exc.explanation.verdict(backend) if exc.explanation is not None else None
@@ -146,8 +149,11 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any) -> CaseResul
     from arnorm.quant import quantize
 
     partials, residual, weight, scale = exact_inputs(case, world, device)
+    if not case.add_residual:
+        residual = None
     x = partials[rank].clone()
-    residual_before, weight_before = residual.clone(), weight.clone()
+    residual_before = None if residual is None else residual.clone()
+    weight_before = weight.clone()
     try:
         out = op(x, residual, weight, scale)
     except Exception:
@@ -158,7 +164,7 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any) -> CaseResul
     problems.append(_shape_error("Output.normed", out.normed, shape, dtype))
     if out.residual is not None and out.residual.data_ptr() != x.data_ptr():
         problems.append("Output.residual: a new tensor (needs hidden_states itself: the op is in place)")
-    if not torch.equal(residual, residual_before):
+    if residual is not None and residual_before is not None and not torch.equal(residual, residual_before):
         problems.append(
             "residual: written by the call (needs it unchanged: only hidden_states may be written)"
         )

@@ -118,7 +118,8 @@ class ConformanceSuite:
     @classmethod
     def cases(cls) -> list[Case]:
         """Every declared (dtype, format, layout), at each shape; the norms rotate through the
-        declared weight offsets, with ``round_before_weight`` where the backend declares it."""
+        declared weight offsets, with ``round_before_weight`` and ``add_residual=False`` where the
+        backend declares them."""
         caps = cls.spec().capabilities
         from arnorm.plugin import format_spec
 
@@ -140,7 +141,9 @@ class ConformanceSuite:
                         if hidden is None:
                             continue
                         rbw = caps.round_before_weight and i % 3 == 2
-                        out.append(Case(t, hidden, dtype, q, layout, float(offsets[i % len(offsets)]), rbw))
+                        nores = caps.residual_free and i % 4 == 1
+                        offset = float(offsets[i % len(offsets)])
+                        out.append(Case(t, hidden, dtype, q, layout, offset, rbw, not nores))
         return out
 
     @classmethod
