@@ -45,7 +45,9 @@ source benchmarks/gpu_setup.sh
 OUT="${OUT:-/tmp/integrations_gpu_check}"
 mkdir -p "$OUT"
 SUMMARY=()
-if ! python3 -c "import transformers, accelerate" 2>/dev/null && ls .gpu/whl-hf/*.whl >/dev/null 2>&1; then
+# The host may have an older transformers of its own (5.17 was seen): ours goes first on PYTHONPATH.
+if ! python3 -c "import sys, transformers, accelerate; sys.exit(tuple(map(int, transformers.__version__.split('.')[:2])) < (5, 24))" 2>/dev/null \
+    && ls .gpu/whl-hf/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl-hf/*.whl
 fi
 export TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -187,9 +189,12 @@ print(f"20 replays: normed max ulps {worst}, residual bitwise {same_h}")
 raise SystemExit(0 if worst <= 1 and same_h else 1)
 PY
 
-step pytest_integrations 0 480 python3 -m pytest -q -p no:cacheprovider -rfs tests/integrations
+python3 -c "import transformers; print('transformers', transformers.__version__, transformers.__file__)"
+[ "${INTEG_CPU_TESTS:-0}" = 1 ] && step pytest_integrations 0 480 python3 -m pytest -q -p no:cacheprovider -rfs tests/integrations
 step vllm_cuda_tp2 0 420 python3 "$OUT/py/integ_gpu_vllm.py"
 step vllm_cuda_graph_tp1 0 240 python3 "$OUT/py/integ_gpu_graph.py"
+step demo_llama_tp1 0 300 python3 -m arnorm demo --model llama --tp 1 --device cuda --max-tokens 8
+step demo_gemma3_tp1 0 300 python3 -m arnorm demo --model gemma3 --tp 1 --device cuda --max-tokens 8
 step demo_llama_auto 0 420 python3 -m arnorm demo --model llama --tp 2 --device cuda --max-tokens 8
 step demo_gemma3_triton 0 420 python3 -m arnorm demo --model gemma3 --tp 2 --device cuda --backend triton \
   --max-tokens 8

@@ -9,11 +9,12 @@ all-reduce and ``next_norm`` layer ``i+1``'s input norm or the final norm::
     carry.put(h2, y2); return h2
 
 A sandwich layer (Gemma2/3) has a norm between each AR and its add; that norm has no residual of
-its own, so it runs as the TP op with a zero residual, and the add + next norm as a local op::
+its own, so it runs as a TP op built with ``add_residual=False`` (no residual is read), and the
+add + next norm as a local op::
 
-    _, a   = tp_op(self_attn(x_norm), 0, post_attention_layernorm)
+    _, a   = tp_op(self_attn(x_norm), None, post_attention_layernorm)
     h, y   = local_op(a, x, pre_feedforward_layernorm)
-    _, b   = tp_op(mlp(y), 0, post_feedforward_layernorm)
+    _, b   = tp_op(mlp(y), None, post_feedforward_layernorm)
     h2, y2 = local_op(b, h, next_norm)
 
 The carry hands layer ``i``'s normed output to whoever consumes ``h2`` next, only if that
@@ -60,12 +61,11 @@ class Step:
     """One site: (all-reduce) + (residual add) + norm, fused through ``op`` when it serves the call.
 
     ``op``: an ``AllReduceNorm`` or None (no fusion: the unfused path always). ``all_reduce``:
-    the unfused path's reduction (None when the input is already complete). ``zeros``: a
-    ``[max_tokens, H]`` zero buffer for a site whose norm has no residual (allocated once; the
-    core op has no residual-free form).
+    the unfused path's reduction (None when the input is already complete). A site whose norm has
+    no residual is called with ``residual=None`` and has an op built with ``add_residual=False``.
     """
 
-    __slots__ = ("all_reduce", "dtype", "hidden", "norm", "norm_forward", "op", "served", "zeros")
+    __slots__ = ("all_reduce", "dtype", "hidden", "norm", "norm_forward", "op", "served")
 
     def __init__(
         self,
@@ -73,10 +73,9 @@ class Step:
         norm: Any,
         norm_forward: Callable[[torch.Tensor], torch.Tensor],
         all_reduce: Callable[[torch.Tensor], Any] | None,
-        zeros: torch.Tensor | None = None,
     ) -> None:
         self.op, self.norm, self.norm_forward = op, norm, norm_forward
-        self.all_reduce, self.zeros = all_reduce, zeros
+        self.all_reduce = all_reduce
         self.served: dict[int, bool] = {}
         self.dtype = None if op is None else getattr(torch, op.problem.dtype)
         self.hidden = None if op is None else op.problem.hidden_size
@@ -115,7 +114,7 @@ class Step:
             and self._serves(t)
         ):
             x = partial.reshape(t, h)
-            res = self.zeros[:t] if residual is None else residual.reshape(t, h)  # type: ignore[index]
+            res = None if residual is None else residual.reshape(t, h)
             out = self.op(x, res, self.norm.weight)
             return out.residual.view(shape), out.normed.view(shape)
         reduced = partial if self.all_reduce is None else self.all_reduce(partial)

@@ -232,13 +232,12 @@ def _build(
     cpu_group: Any,
 ) -> None:
     """Build the ops (collective, in layer order on every rank), then install the forwards."""
-    ops: dict[tuple[bool, RMSNorm], AllReduceNorm] = {}
-    zeros: dict[int, torch.Tensor] = {}
+    ops: dict[tuple[bool, RMSNorm, bool], AllReduceNorm] = {}
     hidden, dtype, device = plan.hidden_size, plan.dtype, plan.device
     ar = None if local else reducer(plan.tp_group)
 
-    def op(reduces: bool, norm: RMSNorm) -> AllReduceNorm:
-        key = (reduces and not local, norm)
+    def op(reduces: bool, norm: RMSNorm, add_residual: bool = True) -> AllReduceNorm:
+        key = (reduces and not local, norm, add_residual)
         if key not in ops:
 
             def build(choice: Any) -> AllReduceNorm:
@@ -251,6 +250,7 @@ def _build(
                     backend=choice,
                     device=device,
                     cpu_group=cpu_group if key[0] else None,
+                    add_residual=add_residual,
                 )
 
             if key[0] or local or backend is None:
@@ -266,12 +266,6 @@ def _build(
             handle._ops.append(ops[key])
         return ops[key]
 
-    def zero_buffer(o: AllReduceNorm) -> torch.Tensor:
-        # One per op, allocated once: the core op has no residual-free form (see docs/integrations.md).
-        if id(o) not in zeros:
-            zeros[id(o)] = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)
-        return zeros[id(o)]
-
     final_module, final_norm = plan.final_norm  # type: ignore[misc]
     final_original = final_module.forward
     layers = plan.layers
@@ -284,7 +278,7 @@ def _build(
 
     carry = Carry()
     for lp in layers:
-        steps = _layer_steps(lp, following(lp.index), op, zero_buffer, ar, local)
+        steps = _layer_steps(lp, following(lp.index), op, ar, local)
         for role, name in _site_names(lp).items():
             handle._sites.append((lp.index, role, name, steps[role]))
         if not local:
@@ -303,7 +297,7 @@ def _site_names(lp: LayerPlan) -> dict[str, str]:
 
 
 def _layer_steps(
-    lp: LayerPlan, nxt: tuple[Any, RMSNorm, Any], op: Any, zero_buffer: Any, ar: Any, local: bool
+    lp: LayerPlan, nxt: tuple[Any, RMSNorm, Any], op: Any, ar: Any, local: bool
 ) -> dict[str, Step]:
     next_module, next_norm, next_forward = nxt
     if lp.kind == "pre_norm":
@@ -318,8 +312,8 @@ def _layer_steps(
         if local:  # no all-reduce and no residual: the model's own norm is all there is to run
             steps[role] = Step(None, module, module.forward, None)
         else:
-            tp_op = op(True, norm)
-            steps[role] = Step(tp_op, module, module.forward, ar, zero_buffer(tp_op))
+            # A norm right after the all-reduce, with no residual: the op reads none.
+            steps[role] = Step(op(True, norm, add_residual=False), module, module.forward, ar)
     pre, pre_norm = lp.norms["pre_feedforward_layernorm"]
     steps["pre_feedforward"] = Step(op(False, pre_norm), pre, pre.forward, None)
     steps["mlp_residual"] = Step(op(False, next_norm), next_module, next_forward, None)

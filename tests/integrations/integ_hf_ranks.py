@@ -52,6 +52,8 @@ def family(rank: int, world: int, folder: str, family_name: str, backend: str) -
             fused = model(ids).logits
             fused_tokens = _greedy(model, prompt, 4)
             report["backends"] = sorted(set(handle.backends(64).values()))
+            # Sandwich norms follow an all-reduce with no residual: their ops read none.
+            report["residual_free_ops"] = sum(not op.problem.add_residual for op in handle._ops)
         assert float((fused - unfused).abs().max()) <= FP32_TOL, "fp32: fused vs unfused TP"
         assert float((fused - want).abs().max()) <= FP32_TOL, "fp32: fused vs single-process"
         assert torch.equal(fused_tokens, want_tokens), f"fp32 greedy: {fused_tokens} vs {want_tokens}"

@@ -38,6 +38,8 @@ def test_every_family_at_tp2(saved):
     for name in hm.FAMILIES:
         assert reports[name]["backends"] == ["reference"], name
         assert reports[name]["bitwise"], name
+        sandwich = name in ("gemma2", "gemma3")
+        assert (reports[name]["residual_free_ops"] > 0) == sandwich, name
     refused = reports["_refusals"]
     assert any(r.startswith("tp_group: arnorm.LOCAL for model.layers.0.self_attn.o_proj sharded over 2 ranks")
                for r in refused["local_for_sharded"])  # fmt: skip
