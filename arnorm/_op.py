@@ -271,10 +271,19 @@ class AllReduceNorm:
         plan = select(problem, comm, config, pref, registry, settings)
         self._problem, self._comm, self._device = problem, comm, dev
         caps = [registry.get(n).spec.capabilities for n in plan.explanation.chain]  # type: ignore[union-attr]
-        chain = plan.chain
+        chain, explanation = plan.chain, plan.explanation
         if not problem.add_residual:
             chain = with_zero_residual(chain, [c.residual_free for c in caps], plan.table, problem, dev)
-        self._explanation, self._chain = plan.explanation, chain
+            wrapped = [n for n, a, b in zip(explanation.chain, plan.chain, chain, strict=True) if a is not b]
+            if wrapped:  # not a rejection, but a cost the user should be able to see
+                note = (
+                    f"no residual: {', '.join(wrapped)} read rows of a -0.0 buffer as the residual "
+                    "(needs Capabilities(residual_free=True) to read none)"
+                )
+                explanation = dataclasses.replace(
+                    explanation, note="\n".join(filter(None, (explanation.note, note)))
+                )
+        self._explanation, self._chain = explanation, chain
         self._table = [None if i < 0 else chain[i] for i in plan.table]
         strided = all(c.strided_rows for c in caps)
         self._rules = CallRules(problem.hidden_size, problem.max_tokens, getattr(torch, problem.dtype),

@@ -89,6 +89,7 @@ def test_a_backend_without_residual_free_reads_negative_zeros_and_matches_bitwis
         assert isinstance(op._table[3], ZeroResidual) and not isinstance(op._table[8], ZeroResidual)
         assert op._table[1]._zeros.shape == (4, H)  # as many rows as the wrapped backend serves
         assert op.backend_for(3) == "small" and op.backend_for(8) == "reference"
+        assert "no residual: small read rows of a -0.0 buffer as the residual (needs" in str(op.explain())
         for t in (3, 8):
             x = partial(t)
             before = x.clone()
