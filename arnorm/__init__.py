@@ -34,7 +34,8 @@ from arnorm._errors import (
     SelectionError,
 )
 from arnorm._explain import STATUSES, Explanation, Verdict
-from arnorm._op import AllReduceNorm, fused_allreduce_norm
+from arnorm._oneshot import fused_allreduce_norm
+from arnorm._op import AllReduceNorm
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._types import (
     LOCAL,

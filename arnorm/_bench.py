@@ -107,7 +107,7 @@ def make_problem(tp: int, hidden: int, dtype: str, quant: str | None, max_tokens
     import torch
 
     import arnorm
-    from arnorm._op import build_problem
+    from arnorm._args import build_problem
 
     return build_problem(
         tp,

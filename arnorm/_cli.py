@@ -144,7 +144,7 @@ def problem_from_args(args: argparse.Namespace) -> Any:
     import torch
 
     import arnorm
-    from arnorm._op import build_problem
+    from arnorm._args import build_problem
 
     device = resolve_cli_device(args.device)
     return build_problem(

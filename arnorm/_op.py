@@ -1,14 +1,14 @@
-"""``AllReduceNorm``: the object engines keep, and ``fused_allreduce_norm`` on top of it."""
+"""``AllReduceNorm``: the object engines keep (construction, the checked call, lifetime)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from arnorm._args import build_problem, resolve_device
 from arnorm._call import Trust, agree_call, guard, no_backend, with_zero_residual
 from arnorm._comm import Comm
 from arnorm._config import Config, load_config
@@ -16,7 +16,7 @@ from arnorm._custom_op import call_custom_op, register_handle, unregister_handle
 from arnorm._discovery import ArnormWarning, get_registry, plugin_failure
 from arnorm._errors import ArnormError, InvalidInputError
 from arnorm._explain import Explanation
-from arnorm._problem import DTYPES, Problem
+from arnorm._problem import Problem
 from arnorm._select import Preference, agree, agreement_facts, load_settings, select
 from arnorm._types import Output, RMSNorm
 from arnorm._validate import CallRules, check_call, needs_scale
@@ -24,123 +24,9 @@ from arnorm._validate import CallRules, check_call, needs_scale
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CACHE_SIZE", "AllReduceNorm", "build_problem", "fused_allreduce_norm", "platform_of"]
-
-#: Ops ``fused_allreduce_norm`` keeps (least recently used first out; an evicted op is closed).
-CACHE_SIZE = 16
+__all__ = ["AllReduceNorm"]
 
 _building = threading.Lock()
-
-
-def platform_of(device: torch.device) -> tuple[str, tuple[int, int] | None, str | None]:
-    """``(platform, CUDA compute capability, ROCm gfx name)`` of ``device``."""
-    import torch
-
-    if device.type != "cuda":
-        return device.type, None, None
-    if torch.version.hip:
-        gfx = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
-        return "rocm", None, gfx
-    return "cuda", tuple(torch.cuda.get_device_capability(device)), None  # type: ignore[return-value]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidInputError(f"{name}: {value!r} (needs a positive int)")
-    return value
-
-
-def resolve_device(device: object) -> torch.device:
-    """The op's device: given, else the current CUDA device, else CPU; ``cuda`` gets its index."""
-    import torch
-
-    if device is None:
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-    try:
-        dev = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError):
-        raise InvalidInputError(
-            f"device: {device!r} (needs a torch.device, e.g. 'cuda:0' or 'cpu')"
-        ) from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidInputError(
-                f"device: {dev} (needs a visible CUDA device; torch.cuda.is_available() is False)"
-            )
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise InvalidInputError(f"device: {dev} (needs cpu or cuda)")
-    return dev
-
-
-def build_problem(
-    world_size: int,
-    *,
-    hidden_size: object,
-    dtype: object,
-    norm: object,
-    quant: object,
-    scale_layout: object,
-    max_tokens: object,
-    normed_output: object,
-    inplace: object,
-    device: torch.device,
-    add_residual: object = True,
-) -> Problem:
-    """Check an op's arguments and describe them as a :class:`Problem` (raises InvalidInputError)."""
-    import torch
-
-    hidden = _positive_int("hidden_size", hidden_size)
-    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
-    if name not in DTYPES:
-        raise InvalidInputError(f"dtype: {dtype!r} (needs torch.bfloat16, torch.float16 or torch.float32)")
-    if not isinstance(norm, RMSNorm):
-        raise InvalidInputError(
-            f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))"
-        )
-    tokens = _positive_int("max_tokens", max_tokens)
-    for arg, value in (
-        ("normed_output", normed_output),
-        ("inplace", inplace),
-        ("add_residual", add_residual),
-    ):
-        if not isinstance(value, bool):
-            raise InvalidInputError(f"{arg}: {value!r} (needs True or False)")
-    layout = None
-    if quant is not None:
-        from arnorm.quant import check_format
-
-        layout = check_format(quant, scale_layout, hidden)  # type: ignore[arg-type]
-    elif scale_layout is not None:
-        raise InvalidInputError(f"scale_layout: {scale_layout!r} (needs None when quant is None)")
-    if not normed_output and quant is None:
-        raise InvalidInputError(
-            "normed_output: False with quant=None (needs normed_output=True or a quant format)"
-        )
-    platform, arch, gfx = platform_of(device)
-    return Problem(
-        world_size=world_size,
-        hidden_size=hidden,
-        dtype=name,
-        eps=float(norm.eps),
-        weight_offset=float(norm.weight_offset),
-        quant=quant,  # type: ignore[arg-type]
-        scale_layout=layout,
-        max_tokens=tokens,
-        normed_output=bool(normed_output),
-        inplace=bool(inplace),
-        device_type=device.type,
-        platform=platform,
-        arch=arch,
-        gfx_arch=gfx,
-        round_before_weight=norm.round_before_weight,
-        add_residual=bool(add_residual),
-    )
 
 
 def _warn_unknown_names(pref: Preference, registry: Any) -> None:
@@ -594,57 +480,3 @@ class AllReduceNorm:
             return "AllReduceNorm(<not built>)"
         state = "closed" if self._closed else "+".join(self._explanation.chain)
         return f"AllReduceNorm({self._problem.short()}, backend={state})"
-
-
-_cache: OrderedDict[tuple[Any, ...], AllReduceNorm] = OrderedDict()
-_cache_lock = threading.Lock()
-
-
-def fused_allreduce_norm(
-    hidden_states: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    *,
-    group: Any,
-    eps: float,
-    weight_offset: float = 0.0,
-    round_before_weight: bool = False,
-    quant: str | None = None,
-    scale: torch.Tensor | None = None,
-    inplace: bool = True,
-) -> Output:
-    """One-shot form of :class:`AllReduceNorm`, with the op cached per signature.
-
-    ``group`` is required: a ``ProcessGroup`` or :data:`arnorm.LOCAL`. The first call for a
-    signature (group, hidden size, dtype, device, eps, offset, rounding order, quant, inplace, and
-    whether ``residual`` is ``None``: an op with ``add_residual=False``) builds
-    an op (collective); a call with more tokens than the cached op's budget builds a larger one.
-    At most :data:`CACHE_SIZE` ops are kept; the least recently used is closed when another is
-    needed (identically on every rank, when every rank makes the same calls). Engines should keep
-    an ``AllReduceNorm`` instead: this helper costs a lock and a dictionary lookup more per call.
-    """
-    import torch
-
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
-        raise InvalidInputError("hidden_states: needs a 2-D torch.Tensor [tokens, hidden]")
-    t, h = hidden_states.shape
-    norm = RMSNorm(eps, weight_offset, round_before_weight)
-    add_residual = residual is not None
-    key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual)
-    with _cache_lock:
-        op = _cache.get(key)
-        if op is None or op._closed or t > op._max_tokens:
-            if op is not None:
-                op.close()
-                del _cache[key]
-            budget = max(8192, 1 << (int(t) - 1).bit_length())
-            op = AllReduceNorm(group, hidden_size=h, dtype=hidden_states.dtype, norm=norm, quant=quant,
-                               max_tokens=budget, inplace=inplace, device=hidden_states.device,
-                               add_residual=add_residual)  # fmt: skip
-            _cache[key] = op
-            while len(_cache) > CACHE_SIZE:
-                _, evicted = _cache.popitem(last=False)
-                evicted.close()
-        else:
-            _cache.move_to_end(key)
-    return op(hidden_states, residual, weight, scale)

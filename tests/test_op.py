@@ -252,7 +252,7 @@ def test_backend_for_validates_its_argument(clean_env):
 
 def test_fused_allreduce_norm_caches_and_grows(clean_env):
     """The functional form reuses one op per signature and rebuilds for a larger token count."""
-    from arnorm._op import _cache
+    from arnorm._oneshot import _cache
 
     fake_backends.install()  # the reference only: no 9,000-token run through the Triton interpreter
     _cache.clear()
@@ -270,7 +270,7 @@ def test_fused_allreduce_norm_caches_and_grows(clean_env):
 
 def test_fused_allreduce_norm_keeps_at_most_cache_size_ops_and_closes_the_oldest(clean_env):
     """Past CACHE_SIZE signatures the least recently used op is closed and dropped."""
-    from arnorm._op import CACHE_SIZE, _cache
+    from arnorm._oneshot import CACHE_SIZE, _cache
 
     fake_backends.install()
     _cache.clear()

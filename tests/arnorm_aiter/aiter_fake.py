@@ -298,12 +298,13 @@ def rank_through_op(
 ) -> list[tuple[str, str, list[str]]]:
     """The whole path: ``arnorm.AllReduceNorm`` on gloo picks aiter in auto mode (fake installed)."""
     import arnorm
-    import arnorm._op
+    import arnorm._args
     from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
 
     install()
     use_registry()
-    arnorm._op.platform_of = lambda device: ("rocm", None, "gfx950")  # CPU tensors, ROCm as seen by selection
+    # CPU tensors, ROCm as seen by selection
+    arnorm._args.platform_of = lambda device: ("rocm", None, "gfx950")
     partials, residual, weight = inputs(world, 8, 1024, torch.bfloat16)
     results = []
     for quant, offset in cases:

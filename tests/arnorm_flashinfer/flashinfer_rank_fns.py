@@ -26,9 +26,9 @@ def use_registry() -> None:
 
 def pretend_cuda(arch: tuple[int, int]) -> None:
     """Make ``AllReduceNorm`` describe a CPU op as a CUDA one of ``arch`` (the fake runs on CPU)."""
-    import arnorm._op
+    import arnorm._args
 
-    arnorm._op.platform_of = lambda device: ("cuda", arch, None)
+    arnorm._args.platform_of = lambda device: ("cuda", arch, None)
 
 
 def make_inputs(

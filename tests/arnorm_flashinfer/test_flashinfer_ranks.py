@@ -52,9 +52,9 @@ def test_selected_through_arnorm_with_reasons_and_fallback(cpu_ranks, quant, lay
 
 
 def _pretend_sm90(monkeypatch) -> None:
-    import arnorm._op
+    import arnorm._args
 
-    monkeypatch.setattr(arnorm._op, "platform_of", lambda device: ("cuda", (9, 0), None))
+    monkeypatch.setattr(arnorm._args, "platform_of", lambda device: ("cuda", (9, 0), None))
 
 
 def test_tp1_is_rejected_with_its_reason(fake_fi, clean_env):

@@ -18,14 +18,14 @@ H = 32
 
 def holdings() -> dict[str, int]:
     """What must stay flat: custom-op handles, live threads, open file descriptors, cached ops."""
-    from arnorm import _op, _probe
+    from arnorm import _oneshot, _probe
 
     gc.collect()
     return {
         "handles": live_handles(),
         "threads": threading.active_count(),
         "fds": len(os.listdir("/proc/self/fd")),
-        "cached ops": len(_op._cache),
+        "cached ops": len(_oneshot._cache),
         "probe cache": len(_probe._cache),
     }
 

@@ -1,0 +1,125 @@
+"""An op's constructor arguments checked and turned into a :class:`Problem` (before any collective)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from arnorm._errors import InvalidInputError
+from arnorm._problem import DTYPES, Problem
+from arnorm._types import RMSNorm
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["build_problem", "platform_of", "resolve_device"]
+
+
+def platform_of(device: torch.device) -> tuple[str, tuple[int, int] | None, str | None]:
+    """``(platform, CUDA compute capability, ROCm gfx name)`` of ``device``."""
+    import torch
+
+    if device.type != "cuda":
+        return device.type, None, None
+    if torch.version.hip:
+        gfx = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        return "rocm", None, gfx
+    return "cuda", tuple(torch.cuda.get_device_capability(device)), None  # type: ignore[return-value]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidInputError(f"{name}: {value!r} (needs a positive int)")
+    return value
+
+
+def resolve_device(device: object) -> torch.device:
+    """The op's device: given, else the current CUDA device, else CPU; ``cuda`` gets its index."""
+    import torch
+
+    if device is None:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        raise InvalidInputError(
+            f"device: {device!r} (needs a torch.device, e.g. 'cuda:0' or 'cpu')"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInputError(
+                f"device: {dev} (needs a visible CUDA device; torch.cuda.is_available() is False)"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise InvalidInputError(f"device: {dev} (needs cpu or cuda)")
+    return dev
+
+
+def build_problem(
+    world_size: int,
+    *,
+    hidden_size: object,
+    dtype: object,
+    norm: object,
+    quant: object,
+    scale_layout: object,
+    max_tokens: object,
+    normed_output: object,
+    inplace: object,
+    device: torch.device,
+    add_residual: object = True,
+) -> Problem:
+    """Check an op's arguments and describe them as a :class:`Problem` (raises InvalidInputError)."""
+    import torch
+
+    hidden = _positive_int("hidden_size", hidden_size)
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
+    if name not in DTYPES:
+        raise InvalidInputError(f"dtype: {dtype!r} (needs torch.bfloat16, torch.float16 or torch.float32)")
+    if not isinstance(norm, RMSNorm):
+        raise InvalidInputError(
+            f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))"
+        )
+    tokens = _positive_int("max_tokens", max_tokens)
+    for arg, value in (
+        ("normed_output", normed_output),
+        ("inplace", inplace),
+        ("add_residual", add_residual),
+    ):
+        if not isinstance(value, bool):
+            raise InvalidInputError(f"{arg}: {value!r} (needs True or False)")
+    layout = None
+    if quant is not None:
+        from arnorm.quant import check_format
+
+        layout = check_format(quant, scale_layout, hidden)  # type: ignore[arg-type]
+    elif scale_layout is not None:
+        raise InvalidInputError(f"scale_layout: {scale_layout!r} (needs None when quant is None)")
+    if not normed_output and quant is None:
+        raise InvalidInputError(
+            "normed_output: False with quant=None (needs normed_output=True or a quant format)"
+        )
+    platform, arch, gfx = platform_of(device)
+    return Problem(
+        world_size=world_size,
+        hidden_size=hidden,
+        dtype=name,
+        eps=float(norm.eps),
+        weight_offset=float(norm.weight_offset),
+        quant=quant,  # type: ignore[arg-type]
+        scale_layout=layout,
+        max_tokens=tokens,
+        normed_output=bool(normed_output),
+        inplace=bool(inplace),
+        device_type=device.type,
+        platform=platform,
+        arch=arch,
+        gfx_arch=gfx,
+        round_before_weight=norm.round_before_weight,
+        add_residual=bool(add_residual),
+    )
