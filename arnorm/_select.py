@@ -202,11 +202,16 @@ def agree(comm: Comm, facts: dict[str, Any], error: BaseException | None) -> Non
         if error is not None and same:
             raise error
         raise cls(text)
-    first = seen[0]["facts"]
-    differ = [k for k in first if any(s["facts"].get(k) != first[k] for s in seen)]
+    keys: list[str] = []
+    for s in seen:
+        keys.extend(k for k in s["facts"] if k not in keys)
+    # A key some ranks lack is a backend installed on some ranks only: its settings are compared
+    # where it exists, and selection's merged verdict rules it out everywhere ("not registered on
+    # this rank"), so auto mode still agrees on a choice and a strict request fails the same way.
+    differ = [k for k in keys if _differ([s["facts"][k] for s in seen if k in s["facts"]])]
     if differ:
         detail = "; ".join(
-            f"rank {r}: " + ", ".join(f"{k}={s['facts'].get(k)!r}" for k in differ)
+            f"rank {r}: " + ", ".join(f"{k}={s['facts'][k]!r}" for k in differ if k in s["facts"])
             for r, s in enumerate(seen)
         )
         msg = (
@@ -216,13 +221,15 @@ def agree(comm: Comm, facts: dict[str, Any], error: BaseException | None) -> Non
         raise InvalidInputError(msg)
 
 
+def _differ(values: list[Any]) -> bool:
+    return any(v != values[0] for v in values)
+
+
 def agreement_facts(
     problem: Problem, pref: Preference, config: Config, settings: dict[str, BackendSettings]
 ) -> dict[str, Any]:
     """What every rank must have identically (``Config.disable`` excepted)."""
-    # The installed backends first: a plugin missing on some rank is then named as the cause.
-    facts: dict[str, Any] = {"installed backends": tuple(sorted(settings))}
-    facts.update({f: getattr(problem, f) for f in Problem.__dataclass_fields__})
+    facts: dict[str, Any] = {f: getattr(problem, f) for f in Problem.__dataclass_fields__}
     facts["backend preference"] = (pref.names, pref.source)
     facts.update(
         {f"Config.{k}": v for k, v in config.model_dump().items() if k not in ("disable", "settings")}

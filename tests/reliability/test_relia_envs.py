@@ -34,16 +34,15 @@ EXPECT: dict[str, tuple[str, tuple]] = {
         ("InvalidInputError", r"^ranks disagree on (installed backends, )?settings of fast"),
     ),
     "setting_malformed": ("error", ("ConfigError", r"^rank {last}: ARNORM_FAST_EXACT: 'perhaps'")),
-    # A plugin installed on rank 0 only: today the agreed settings catch it first, so every rank
-    # raises the same error naming the plugin (the merged verdict's "not registered on this rank"
-    # is not reached); either that or an agreed fallback would be safe.
+    # A plugin installed on rank 0 only: auto mode leaves it out on every rank (its merged verdict
+    # names the ranks without it) and agrees on the rest; a strict request for it fails everywhere.
     "plugin_on_0_auto": (
-        "error",
-        ("InvalidInputError", r"^ranks disagree on installed backends, settings of fast"),
+        "chain",
+        (("reference",), r"fast +50 +unknown +rank 1: registry: not registered on this rank"),
     ),
     "plugin_on_0_strict": (
         "error",
-        ("InvalidInputError", r"^ranks disagree on installed backends, settings of fast"),
+        ("BackendNotInstalledError", r"rank 1: registry: no backend named 'fast' \(needs one of reference\)"),
     ),
     "hidden_zero_on_last": ("error", ("InvalidInputError", r"^rank {last}: hidden_size: 0 \(needs")),
     "norm_wrong_on_last": ("error", ("InvalidInputError", r"^rank {last}: norm: str \(needs")),
