@@ -10,6 +10,7 @@ the thread is left to finish on its own. Results are cached per process for an i
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from arnorm._discovery import plugin_failure
@@ -20,7 +21,11 @@ if TYPE_CHECKING:
 
 __all__ = ["clear_probe_cache", "load_class", "probe"]
 
-_cache: dict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = {}
+#: Probe results kept (least recently stored first out): one per (backend, problem, device), so a
+#: process building ops for many shapes cannot grow it without end. A probe that hung is cached
+#: as broken too, so its (daemon) thread is the only one it ever leaves behind.
+CACHE_SIZE = 256
+_cache: OrderedDict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -94,4 +99,6 @@ def probe(
             result = ("incompatible", reasons) if reasons else ("eligible", ())
     with _lock:
         _cache[key] = result
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
     return result

@@ -131,6 +131,19 @@ def test_probe_results_are_cached_and_lower_backends_are_not_probed(clean_env):
     assert CountingProbe.calls == 1
 
 
+def test_the_probe_cache_is_bounded(clean_env, monkeypatch):
+    """Many distinct problems keep at most CACHE_SIZE probe results, the newest ones."""
+    from arnorm import _probe
+
+    monkeypatch.setattr(_probe, "CACHE_SIZE", 4)
+    _probe.clear_probe_cache()
+    fake_backends.install(fake_backends.spec("counting", 50, "CountingProbe"))
+    for h in range(8, 8 + 6 * 8, 8):
+        make(hidden_size=h).close()
+    assert len(_probe._cache) == 4
+    assert [key[2].hidden_size for key in _probe._cache] == [24, 32, 40, 48]
+
+
 def test_a_class_missing_a_protocol_method_is_broken_at_load(clean_env):
     """The protocol is checked at load: a missing check_tokens is a reason, not a crash at the first call."""
     fake_backends.install(fake_backends.spec("partial", 50, "NoCheckTokens"))
