@@ -112,7 +112,8 @@ def main() -> None:
     args = ap.parse_args()
     cols = ["op call", "core", "backend call", "alloc", "launch", "output", "glue", "empty (1,H)"]
     print(
-        f"# Eager host path at T=1, H={H}, bf16, stub launcher (us/call; best of {args.repeat} x {args.number})\n"
+        f"# Eager host path at T=1, H={H}, bf16, stub launcher "
+        f"(us/call; best of {args.repeat} x {args.number})\n"
         f"CPU: {platform.processor() or platform.machine()}, python {platform.python_version()}, "
         f"torch {torch.__version__}\n"
     )
