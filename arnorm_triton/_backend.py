@@ -131,6 +131,7 @@ class TritonBackend:
         )
         self._alloc = plan.alloc
         self._output = plan.output
+        self._launch = self._launcher.launch
         self.fast_launch = False
 
     # -- selection --------------------------------------------------------------------------
@@ -254,7 +255,7 @@ class TritonBackend:
             xs = hidden
             hs = hs if self._inplace else hidden
         y, q, sf = self._alloc(t)
-        self._launcher.launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs)
+        self._launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs)
         return self._output(y, h_out, q, sf, scale)
 
     def close(self) -> None:
