@@ -7,11 +7,14 @@ backend's glue, the output allocation, and the launch. This times the real
 GPU path runs is timed and the kernel is not. The direct-launch path is the one taken: the stub
 is bound exactly where :meth:`FusedLauncher.bind` binds the real launcher after validating it.
 
-Rows: the whole ``AllReduceNorm.__call__`` (core plus backend; needs ``TRITON_INTERPRET=1`` at
-import so the op selects ``triton`` on CPU, which this script sets), the backend call, and its
-pieces: output allocation, the launcher with preallocated outputs, the ``Output`` construction,
-one ``torch.empty((1, H))`` (the floor of any call that returns a fresh tensor), and the glue
-(backend call minus the three pieces). Best of 7 runs of 50,000 calls each.
+Columns (microseconds per call, the timing loop's own cost taken out): ``op call``, the whole
+``AllReduceNorm.__call__`` (the op selects ``triton`` on CPU because this script sets
+``TRITON_INTERPRET=1`` before the import); ``core``, that minus the backend call; ``backend
+call``; its pieces ``alloc`` (the outputs), ``launch`` (the launcher with preallocated outputs;
+``launch glue`` is that minus the stub's own call with the same arguments), ``output`` (the
+``Output`` construction) and ``glue`` (the backend call minus those three); and ``empty (1,H)``,
+one ``torch.empty``: the floor of any call that returns a fresh tensor. Best of 7 runs of 50,000
+calls each; T=1, H=4096, bf16.
 
     python benchmarks/bench_host_path.py [--number N] [--repeat R]
 
@@ -48,11 +51,19 @@ def _noop_run(*args: object) -> None:
     """Stands in for ``CompiledKernel.run`` (the compiled kernel's C launcher)."""
 
 
-def stub_launcher(launcher) -> None:
-    """Bind the no-op launcher for every configuration the op uses, as a validated bind would."""
+def _recording_run(*args: object) -> None:
+    """The stub, remembering its arguments once (to time the stub's own share of a launch)."""
+    _LAST_ARGS[:] = args
+
+
+_LAST_ARGS: list[object] = []
+
+
+def stub_launcher(launcher, run=_noop_run) -> None:
+    """Bind ``run`` as the launcher of every configuration the op uses, as a validated bind would."""
     launcher.unbind()
     for cfg in launcher.configs(64):
-        launcher._bound[cfg] = _Bound(_noop_run, None, None)
+        launcher._bound[cfg] = _Bound(run, None, None)
     # torch's _cuda_getCurrentRawStream is a C function of the device index; abs(0) == 0 is one too.
     launcher._get_stream = abs
     launcher._device_index = 0
@@ -89,7 +100,13 @@ def measure(quant, layout, normed, number: int, repeat: int) -> dict[str, float]
     op(x, r, w, s)
     assert launcher._by_rows[1][0] is not None, "the direct (stubbed) launch must be taken"
 
+    stub_launcher(launcher, _recording_run)
+    launcher.launch(x, r, w, s, x, y, q, sf, 1, H, H, H)
+    args = tuple(_LAST_ARGS)
+    stub_launcher(launcher)
+    backend(x, r, w, s)
     rows = {
+        "stub run": _best(lambda: _noop_run(*args), number, repeat),
         "op call": _best(lambda: op(x, r, w, s), number, repeat),
         "backend call": _best(lambda: backend(x, r, w, s), number, repeat),
         "alloc": _best(lambda: backend._alloc(1), number, repeat),
@@ -102,6 +119,7 @@ def measure(quant, layout, normed, number: int, repeat: int) -> dict[str, float]
     rows = {k: v - lam for k, v in rows.items()}
     rows["glue"] = rows["backend call"] - rows["alloc"] - rows["launch"] - rows["output"]
     rows["core"] = rows["op call"] - rows["backend call"]
+    rows["launch glue"] = rows["launch"] - rows["stub run"]
     return rows
 
 
@@ -110,7 +128,8 @@ def main() -> None:
     ap.add_argument("--number", type=int, default=50_000)
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
-    cols = ["op call", "core", "backend call", "alloc", "launch", "output", "glue", "empty (1,H)"]
+    cols = ["op call", "core", "backend call", "alloc", "launch", "launch glue", "output", "glue"]
+    cols.append("empty (1,H)")
     print(
         f"# Eager host path at T=1, H={H}, bf16, stub launcher "
         f"(us/call; best of {args.repeat} x {args.number})\n"
