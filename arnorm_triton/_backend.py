@@ -131,6 +131,7 @@ class TritonBackend:
         )
         self._alloc = plan.alloc
         self._output = plan.output
+        self._launch = self._launcher.launch
         self.fast_launch = False
 
     # -- selection --------------------------------------------------------------------------
@@ -229,7 +230,7 @@ class TritonBackend:
             if self._inplace:
                 h_out = hidden_states
             else:
-                h_out = hidden_states.new_empty((t, hidden))
+                h_out = hidden_states.new_empty(t, hidden)
                 hs = hidden
         elif self._exact:
             assert self._gather is not None
@@ -241,7 +242,7 @@ class TritonBackend:
             if self._inplace:
                 h_out = hidden_states
             else:
-                h_out = hidden_states.new_empty((t, hidden))
+                h_out = hidden_states.new_empty(t, hidden)
                 hs = hidden
         elif self._inplace and (t == 1 or xs == hidden):
             x = h_out = self._comm.all_reduce_(hidden_states)
@@ -249,12 +250,12 @@ class TritonBackend:
             # Reduce a contiguous copy (collectives take contiguous tensors, and the caller's
             # partial stays untouched when not in place); the kernel reads s from it and writes
             # h to hidden_states (in place) or into the copy itself, element by element.
-            x = self._comm.all_reduce_(hidden_states.new_empty((t, hidden)).copy_(hidden_states))
+            x = self._comm.all_reduce_(hidden_states.new_empty(t, hidden).copy_(hidden_states))
             h_out = hidden_states if self._inplace else x
             xs = hidden
             hs = hs if self._inplace else hidden
         y, q, sf = self._alloc(t)
-        self._launcher.launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs)
+        self._launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs)
         return self._output(y, h_out, q, sf, scale)
 
     def close(self) -> None:

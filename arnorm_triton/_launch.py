@@ -103,11 +103,13 @@ class FusedLauncher:
             "HAS_RESIDUAL": add_residual,
         }
         names = K.fused_add_rmsnorm_quant_kernel.arg_names
-        self._const_tail = tuple(self.constexprs[n] for n in names[names.index("HIDDEN") :])
+        consts = tuple(self.constexprs[n] for n in names[names.index("HIDDEN") :])
+        #: Every argument after the strides, in signature order, for the direct launch.
+        self._tail = (self.eps, self.weight_offset, *consts)
         # Triton specializes integer arguments divisible by 16: strides must keep that property.
         self._div16 = hidden % 16 == 0
         self._bound: dict[LaunchConfig, _Bound] = {}
-        self._by_rows: dict[int, tuple[_Bound | None, int]] = {}
+        self._by_rows: dict[int, tuple[Any, int, Any, Any]] = {}
         self._get_stream: Callable[[int], int] | None = None
         self._device_index = 0
 
@@ -157,29 +159,36 @@ class FusedLauncher:
         entry = self._by_rows.get(n_rows)
         if entry is None:
             entry = self._entry(n_rows)
-        bound = entry[0]
-        if bound is not None:
+        run = entry[0]
+        if run is not None:
             xp, rp, wp, hp = x.data_ptr(), res.data_ptr(), w.data_ptr(), h.data_ptr()
             # y, q, sf are this backend's own allocations (always aligned); scale is not specialized.
-            if (
-                not (xp | rp | wp | hp) & 15
-                and self._strides_fit(x_stride, res_stride, h_stride)
-                and not _launch_hooks_active()
-            ):
-                bound.run(
-                    entry[1], 1, 1, self._get_stream(self._device_index), bound.function, bound.packed,  # type: ignore[misc]
+            # Pointers 16-byte aligned, and strides as bound: Triton specializes integers divisible
+            # by 16 and integers equal to 1, and the bound variants saw strides of H. So when H is
+            # a multiple of 16 every stride must be one too (one test with the pointers), else
+            # none may be 1.
+            if self._div16:
+                fits = not (xp | rp | wp | hp | x_stride | res_stride | h_stride) & 15
+            else:
+                fits = not (xp | rp | wp | hp) & 15 and x_stride != 1 and res_stride != 1 and h_stride != 1
+            hook = _RUNTIME.launch_enter_hook  # _launch_hooks_active(), inline
+            if fits and (hook is None or (type(hook) is _HOOK_CHAIN and not hook.calls)):
+                run(
+                    entry[1], 1, 1, self._get_stream(self._device_index), entry[2], entry[3],  # type: ignore[misc]
                     None, None, None, xp, rp, wp, hp if scale is None else scale.data_ptr(), hp,
                     hp if y is None else y.data_ptr(), hp if q is None else q.data_ptr(),
-                    hp if sf is None else sf.data_ptr(), n_rows, x_stride, res_stride, h_stride, self.eps,
-                    self.weight_offset, *self._const_tail,
+                    hp if sf is None else sf.data_ptr(), n_rows, x_stride, res_stride, h_stride, *self._tail,
                 )  # fmt: skip
                 return None
         cfg = self.config(n_rows)
         return self._ordinary(cfg, (x, res, w, scale, h, y, q, sf), n_rows, x_stride, res_stride, h_stride)
 
-    def _entry(self, n_rows: int) -> tuple[_Bound | None, int]:
-        """The bound launcher (if any) and grid for ``n_rows``, cached per token count."""
-        entry = (self._bound.get(self.config(n_rows)), self.grid_rows(n_rows))
+    def _entry(self, n_rows: int) -> tuple[Any, int, Any, Any]:
+        """``(run, grid, function, packed)`` for ``n_rows``: the bound launcher (``run`` None when
+        there is none) flattened with the grid; cached per token count once launchers are bound."""
+        bound = self._bound.get(self.config(n_rows))
+        grid = self.grid_rows(n_rows)
+        entry = (None, grid, None, None) if bound is None else (bound.run, grid, bound.function, bound.packed)
         if self._bound:
             self._by_rows[n_rows] = entry
         return entry
@@ -199,14 +208,9 @@ class FusedLauncher:
             **extra, **self.constexprs,
         )  # fmt: skip
 
-    def _strides_fit(self, xs: int, rs: int, hs: int) -> bool:
-        if self._div16:
-            return not (xs | rs | hs) & 15
-        return xs != 1 and rs != 1 and hs != 1
-
     def _direct(self, bound: _Bound, ptrs: tuple[int, ...], n_rows: int, *strides: int) -> None:
         assert self._get_stream is not None
-        args = (*ptrs, n_rows, *strides, self.eps, self.weight_offset, *self._const_tail)
+        args = (*ptrs, n_rows, *strides, *self._tail)
         stream = self._get_stream(self._device_index)
         bound.run(self.grid_rows(n_rows), 1, 1, stream, bound.function, bound.packed, None, None, None, *args)
 
@@ -276,14 +280,24 @@ def _probe_counts(max_rows: int) -> list[int]:
     return sorted(counts)
 
 
-#: ``triton.knobs`` (Triton >= 3.4), read per fast launch: a profiler's launch hook needs the slow path.
+#: ``triton.knobs`` (Triton >= 3.4): a profiler's launch hook needs the slow path.
 _KNOBS: Any = getattr(triton, "knobs", None)
 
 
+class _NoKnobs:
+    launch_enter_hook = None
+
+
+#: Read per fast launch. ``launch_enter_hook`` is a plain attribute (not an environment
+#: descriptor) of this one ``runtime_knobs`` object in Triton 3.4 to 3.8, so the read is cheap.
+_RUNTIME: Any = getattr(_KNOBS, "runtime", None) or _NoKnobs()
+#: Since Triton 3.5 the hook is a ``HookChain`` that is never ``None``; an empty chain means no
+#: hook. Anything else that is not ``None`` (a function assigned as in Triton 3.4) is a hook.
+_HOOK_CHAIN: Any = getattr(_KNOBS, "HookChain", None) or _NoKnobs
+
+
 def _launch_hooks_active() -> bool:
-    """Whether a launch-enter hook (a profiler such as proton) is installed. Since Triton 3.5 the
-    knob is a ``HookChain`` that is never ``None``; an empty chain means no hook."""
-    if _KNOBS is None:
-        return False
-    hook = _KNOBS.runtime.launch_enter_hook
-    return hook is not None and bool(getattr(hook, "calls", True))
+    """Whether a launch-enter hook (a profiler such as proton) is installed; the test
+    :meth:`FusedLauncher.launch` makes inline."""
+    hook = _RUNTIME.launch_enter_hook
+    return hook is not None and not (type(hook) is _HOOK_CHAIN and not hook.calls)
