@@ -63,7 +63,7 @@ def stub_launcher(launcher, run=_noop_run) -> None:
     """Bind ``run`` as the launcher of every configuration the op uses, as a validated bind would."""
     launcher.unbind()
     for cfg in launcher.configs(64):
-        launcher._bound[cfg] = _Bound(run, None, None)
+        launcher._bound[cfg] = _Bound(run, None, (None, None, None, None))
     # torch's _cuda_getCurrentRawStream is a C function of the device index; abs(0) == 0 is one too.
     launcher._get_stream = abs
     launcher._device_index = 0

@@ -10,6 +10,7 @@ interpreted kernel, so argument order and the validation fallback are checked wi
 from __future__ import annotations
 
 import ctypes
+import gc
 import types
 
 import pytest
@@ -50,8 +51,19 @@ class _FakeCompiled:
 
 
 def _at(address: int, like: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor of ``like``'s dtype at a raw address (what the integer pointer names)."""
-    nbytes = max(like.numel() * like.element_size(), 16) * 64  # room for any T the tests use
+    """A CPU tensor of ``like``'s dtype at a raw address (what the integer pointer names), reaching
+    exactly to the end of the live storage that holds it: the interpreter copies a pointer
+    argument's whole tensor in and back out, so a view past the allocation would write stale
+    bytes over whatever the heap put there meanwhile."""
+    end = 0
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+            storage = obj.untyped_storage()
+            start = storage.data_ptr()
+            if start <= address < start + storage.nbytes():
+                end = max(end, start + storage.nbytes())
+    assert end, f"no live tensor holds address {address:#x}"
+    nbytes = (end - address) // like.element_size() * like.element_size()
     raw = (ctypes.c_byte * nbytes).from_address(address)
     return torch.frombuffer(raw, dtype=torch.uint8).view(like.dtype)
 
@@ -204,3 +216,78 @@ def test_backend_warm_up_binds_the_direct_launch(monkeypatch, quant, layout, nor
     out = backend(partials[0].clone(), res, w, scale)
     assert fake.compiled.calls == 2
     check_output(out, partials[0], res, w, problem, scale)
+
+
+class _KnownLauncher:
+    """A launcher object shaped like Triton 3.6's ``CudaLauncher``: ``launch`` is the C function,
+    called as ``(gx, gy, gz, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+    packed, launch_metadata, enter_hook, exit_hook, *kernel args)``."""
+
+    def __init__(self, compiled: _FakeCompiled, scratch: int = 0) -> None:
+        self.compiled, self.raw_calls = compiled, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.global_scratch_size = self.profile_scratch_size = scratch
+
+    def launch(self, gx, gy, gz, stream, function, coop, pdl, gscratch, pscratch, *rest):
+        assert (coop, pdl, gscratch, pscratch) == (False, True, None, None)
+        self.raw_calls += 1
+        self.compiled.calls -= 1  # counted as a raw launch, not as a call of run
+        _FakeCompiled.run(self.compiled, gx, gy, gz, stream, function, *rest)
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        _FakeCompiled.run(self.compiled, gx, gy, gz, stream, function, *args)
+
+
+def _know(monkeypatch, cls) -> None:
+    import hashlib
+    import inspect
+
+    text = " ".join(inspect.getsource(cls.__call__).split())
+    monkeypatch.setattr(launch_module, "_KNOWN_CALL_SOURCES", {hashlib.sha256(text.encode()).hexdigest()})
+
+
+def test_a_launcher_of_known_source_is_called_through_its_c_launch(monkeypatch):
+    """With the launcher's __call__ source known and no scratch, launches call its launch directly,
+    bit for bit as kernel[grid]; anything else keeps the launcher object."""
+    fake = _setup(monkeypatch, corrupt=False)
+    known = _KnownLauncher(fake.compiled)
+    monkeypatch.setattr(fake.compiled, "run", known)
+    _know(monkeypatch, _KnownLauncher)
+    bounds = launch_module._bound_launchers(fake.compiled)
+    assert [b.run for b in bounds] == [known.launch, known]
+    assert bounds[0].mid == (False, True, None, None, fake.compiled.packed_metadata, None, None, None)
+    launcher = _launcher("nvfp4", "swizzled_128x4")
+    ptrs = _buffers(3, 256)
+    assert _bind(launcher, ptrs, ptrs[4:], 3) and known.raw_calls == 1
+    expect = [o.clone() for o in ptrs[4:]]
+    for o in ptrs[4:]:
+        o.zero_()
+    launcher.launch(*ptrs, 3, 256, 256, 256)
+    assert known.raw_calls == 2
+    for a, b in zip(ptrs[4:], expect, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    monkeypatch.setattr(fake.compiled, "run", _KnownLauncher(fake.compiled, scratch=64))
+    assert [b.run for b in launch_module._bound_launchers(fake.compiled)] == [fake.compiled.run]
+    monkeypatch.setattr(launch_module, "_KNOWN_CALL_SOURCES", frozenset())
+    assert [b.run for b in launch_module._bound_launchers(fake.compiled)] == [fake.compiled.run]
+
+
+def test_a_launch_hook_sends_launches_the_ordinary_way(monkeypatch):
+    """A profiler's launch-enter hook (Triton's knobs) is honoured: no direct launch while it is set."""
+    fake = _setup(monkeypatch, corrupt=False)
+    launcher = _launcher()
+    ptrs = _buffers(2, 256)
+    assert _bind(launcher, ptrs, ptrs[4:6], 2)
+    chain = triton.knobs.runtime.launch_enter_hook
+
+    def hook(*args):
+        return None
+
+    chain.add(hook)
+    try:
+        launcher.launch(*ptrs, 2, 256, 256, 256)
+        assert fake.compiled.calls == 1  # only the validation launch at bind went direct
+    finally:
+        chain.remove(hook)
+    launcher.launch(*ptrs, 2, 256, 256, 256)
+    assert fake.compiled.calls == 2
