@@ -67,7 +67,7 @@ def _bound_launchers(compiled: Any) -> list[_Bound]:
         known = hashlib.sha256(text.encode()).hexdigest() in _KNOWN_CALL_SOURCES
         if known and run.global_scratch_size == 0 and run.profile_scratch_size == 0:
             # cooperative, pdl, no global / profile scratch, then what __call__ passes on as *args.
-            mid = (run.launch_cooperative_grid, run.launch_pdl, None, None)
+            mid: tuple[Any, ...] = (run.launch_cooperative_grid, run.launch_pdl, None, None)
             mid += (compiled.packed_metadata, None, None, None)
             return [_Bound(run.launch, compiled.function, mid), plain]
     except Exception:  # no source, other attributes: the plain launcher only
