@@ -73,8 +73,10 @@ class SymmLauncher:
         }
 
     def grid(self, n_rows: int) -> int:
-        """Programs: one per row up to ``slots`` (program ``b`` serves rows ``b + k * slots``)."""
-        return min(n_rows, self.slots)
+        """Programs: one per row up to ``slots`` (program ``b`` serves rows ``b + k * slots``), plus
+        the swizzled padding programs (32 padding rows each, outside the flag protocol)."""
+        main = min(n_rows, self.slots)
+        return main + K.padding_programs(n_rows) if self.swizzled else main
 
     def launch(
         self,
@@ -109,7 +111,7 @@ class SymmLauncher:
                 ptrs[i] = ptrs[i].view(torch.uint8)
         launch = _launcher(S.symm_allreduce_norm_kernel, self.grid(n_rows), warmup)
         return launch(
-            *ptrs, ws.peers, ws.epochs, ws.error, n_rows, x_stride, res_stride, h_stride, self.eps,
+            *ptrs, ws.peers, ws.epochs, ws.error, ws.base, n_rows, x_stride, res_stride, h_stride, self.eps,
             self.weight_offset, ws.rank, lay.in_off, lay.sum_off, self.spin_limit, int(two_shot),
             int(copy_in), int(end_wait), STAGE=stage, num_warps=self.num_warps, **self.constexprs,
         )  # fmt: skip
@@ -119,7 +121,7 @@ class SymmLauncher:
         ws = self.workspace
         launch = _launcher(S.symm_wait_done_kernel, self.slots, warmup)
         return launch(
-            ws.peers, ws.epochs, ws.error, ws.rank, self.spin_limit, SLOTS=self.slots,
+            ws.epochs, ws.error, ws.base, ws.rank, self.spin_limit, SLOTS=self.slots,
             WORLD=ws.layout.world, num_warps=1,
         )  # fmt: skip
 
