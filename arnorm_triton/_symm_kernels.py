@@ -121,7 +121,9 @@ def _rank_order_sum(peers_ptr, in_off, row64, offs, mask, mine, use_mine, rank, 
     ``use_mine``, this rank's term is ``mine`` (the row in registers, exactly what its region holds)
     instead of a load from its own region."""
     own = use_mine & (rank == 0)
-    x = tl.load(_region(peers_ptr, 0, in_off, DTYPE) + row64 * HIDDEN + offs, mask=mask & (own == 0), other=0.0)
+    x = tl.load(
+        _region(peers_ptr, 0, in_off, DTYPE) + row64 * HIDDEN + offs, mask=mask & (own == 0), other=0.0
+    )
     acc = to_fp32(tl.where(own, mine, x), SOFT)
     for p in tl.static_range(1, WORLD):
         own = use_mine & (rank == p)
@@ -231,10 +233,9 @@ def symm_allreduce_norm_kernel(
                 norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
                                     q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
                                     SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
-        if STAGE == 0 or STAGE == 3:
-            if SYNC:  # noqa: SIM102
-                if n_rows > SLOTS:
-                    _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
+        if (STAGE == 0 or STAGE == 3) and SYNC:  # noqa: SIM102
+            if n_rows > SLOTS:  # several rows per program: all of them are read now
+                _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
     else:
         # Part 2 (two-shot): reduce the rows of this program that this rank owns, owner(t) =
         # (t % SLOTS + t // SLOTS) % WORLD: the j-th row of program b (t = b + j * SLOTS) belongs
