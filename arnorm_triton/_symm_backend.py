@@ -210,6 +210,7 @@ class TritonSymmBackend:
         collective_step(comm, "kernel compile", compile_all)
 
         def run_all() -> None:
+            self.bind_direct(x, res, w, scale, two_shot=variants[0][0])
             for two, copy_in, end_wait in variants:  # copy-in without end-wait first: see _variants
                 src = x.clone() if copy_in else self._workspace().inputs(t).copy_(x)
                 self._launch(src, res, w, scale, two, copy_in, end_wait)
@@ -222,6 +223,16 @@ class TritonSymmBackend:
                 )
 
         collective_step(comm, "warm-up", run_all)
+
+    def bind_direct(self, x: Any, residual: Any, weight: Any, scale: Any, *, two_shot: bool) -> bool:
+        """Bind the direct launch (:meth:`SymmLauncher.bind`): collective, every rank with the same
+        token count and kind, on the stream the op runs on; a partial ``x`` copied in, never written."""
+        t = x.shape[0]
+        h_out = x.new_empty((t, self._hidden))
+        y, q, sf = self._plan.alloc(t)
+        kscale = scale if self._plan.kind in (1, 4) else None
+        tensors = (x, residual, weight, kscale, h_out, y, q, sf)
+        return self._launcher.bind(tensors, t, (self._hidden,) * 3, two_shot=two_shot)
 
     def _variants(self) -> list[tuple[bool, bool, bool]]:
         """``(two_shot, copy_in, end_wait)`` a call can take, in an order that is safe to run

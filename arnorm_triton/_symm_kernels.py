@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from arnorm_triton._casts import to_dtype_rne, to_fp32
-from arnorm_triton._kernels import PAD_ROWS_PER_PROGRAM, norm_quant_epilogue, row_offsets, zero_padding_rows
+from arnorm_triton._kernels import norm_quant_epilogue, row_offsets, zero_padding_rows
 
 __all__ = ["DONE", "READY", "SUMS", "symm_allreduce_norm_kernel", "symm_wait_done_kernel"]
 
@@ -51,7 +51,8 @@ DONE = tl.constexpr(2)
 
 @triton.jit
 def _flag_ptr(base, kind, b, src, SLOTS: tl.constexpr, WORLD: tl.constexpr):
-    """Flag ``(kind, b, src)`` in the buffer at integer address ``base`` (flags start at offset 0)."""
+    """Flag ``(kind, b, src)`` in the buffer at integer address ``base`` (flags start at offset 0);
+    ``src`` and ``base`` may be vectors (one flag per element)."""
     return (base + ((kind * SLOTS + b) * WORLD + src) * 4).to(tl.pointer_type(tl.uint32))
 
 
@@ -62,25 +63,44 @@ def _behind(v, target):
 
 
 @triton.jit
-def _signal(peers_ptr, kind, b, rank, e, SLOTS: tl.constexpr, WORLD: tl.constexpr):
-    # Every thread's stores (the rows just written) happen before the release below.
-    tl.debug_barrier()
-    for p in tl.static_range(WORLD):
-        base = tl.load(peers_ptr + p)
-        tl.atomic_xchg(_flag_ptr(base, kind, b, rank, SLOTS, WORLD), e, sem="release", scope="sys")
+def _peer_lanes(rank, WORLD: tl.constexpr):
+    """``(src, others)``: one lane per rank (``WORLD`` rounded up to a power of two) and which
+    lanes are peers. This rank's own flags are never written nor read: a program reads its own
+    partial from registers or after its own barrier, so no flag is needed for it."""
+    WP: tl.constexpr = triton.next_power_of_2(WORLD)
+    src = tl.arange(0, WP)
+    return src, (src < WORLD) & (src != rank)
 
 
 @triton.jit
-def _wait(peers_ptr, kind, b, rank, target, spin_limit, err_ptr, SLOTS: tl.constexpr, WORLD: tl.constexpr):
-    mine = tl.load(peers_ptr + rank)
-    for p in tl.static_range(WORLD):
-        flag = _flag_ptr(mine, kind, b, p, SLOTS, WORLD)
-        v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+def _signal(peers_ptr, kind, b, rank, e, SLOTS: tl.constexpr, WORLD: tl.constexpr):
+    # Every thread's memory accesses so far (the rows just written or read) happen before the
+    # release below: the barrier orders them before thread-level releases (cumulativity).
+    tl.debug_barrier()
+    if WORLD > 1:
+        src, others = _peer_lanes(rank, WORLD)
+        # Every peer's address and one release per peer, all at once (one lane each).
+        bases = tl.load(peers_ptr + src, mask=others, other=0)
+        value = tl.full(src.shape, 0, tl.uint32) + e
+        tl.atomic_xchg(_flag_ptr(bases, kind, b, rank, SLOTS, WORLD), value, mask=others, sem="release",
+                       scope="sys")  # fmt: skip
+
+
+@triton.jit
+def _wait(my_base, kind, b, rank, target, spin_limit, err_ptr, SLOTS: tl.constexpr, WORLD: tl.constexpr):
+    if WORLD > 1:
+        src, others = _peer_lanes(rank, WORLD)
+        # This rank's flags (kind, b, src) for every peer src, polled together: one acquire per
+        # lane per round, until no peer is behind or the spin limit is reached.
+        flags = _flag_ptr(my_base, kind, b, src, SLOTS, WORLD)
+        v = tl.atomic_add(flags, 0, mask=others, sem="acquire", scope="sys")
+        behind = tl.max((_behind(v, target) & others).to(tl.int32), axis=0)
         n = tl.full([], 0, tl.int32)
-        while _behind(v, target) & (n < spin_limit):
-            v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        while (behind != 0) & (n < spin_limit):
+            v = tl.atomic_add(flags, 0, mask=others, sem="acquire", scope="sys")
+            behind = tl.max((_behind(v, target) & others).to(tl.int32), axis=0)
             n += 1
-        if _behind(v, target):
+        if behind != 0:
             # A peer never came: record it (TritonSymmBackend.check raises) rather than hang.
             tl.atomic_or(err_ptr, tl.full([], 1, tl.int32) << kind, sem="relaxed", scope="gpu")
     # Every thread's loads of peer rows happen after the acquire above.
@@ -94,15 +114,22 @@ def _region(peers_ptr, p, offset, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rank_order_sum(peers_ptr, in_off, row64, offs, mask, HIDDEN: tl.constexpr, WORLD: tl.constexpr,
-                    DTYPE: tl.constexpr, SOFT: tl.constexpr):  # fmt: skip
+def _rank_order_sum(peers_ptr, in_off, row64, offs, mask, mine, use_mine, rank, HIDDEN: tl.constexpr,
+                    WORLD: tl.constexpr, DTYPE: tl.constexpr, SOFT: tl.constexpr):  # fmt: skip
     """``fp32(D(sum_r fp32(x_r[row])))``, accumulated in fp32 from rank 0 up (the reference's step 1;
-    starting from rank 0's value, not 0.0, keeps a sum of negative zeros negative)."""
-    acc = to_fp32(tl.load(_region(peers_ptr, 0, in_off, DTYPE) + row64 * HIDDEN + offs, mask=mask, other=0.0),
-                  SOFT)  # fmt: skip
+    starting from rank 0's value, not 0.0, keeps a sum of negative zeros negative). With
+    ``use_mine``, this rank's term is ``mine`` (the row in registers, exactly what its region holds)
+    instead of a load from its own region."""
+    own = use_mine & (rank == 0)
+    x = tl.load(
+        _region(peers_ptr, 0, in_off, DTYPE) + row64 * HIDDEN + offs, mask=mask & (own == 0), other=0.0
+    )
+    acc = to_fp32(tl.where(own, mine, x), SOFT)
     for p in tl.static_range(1, WORLD):
-        x = tl.load(_region(peers_ptr, p, in_off, DTYPE) + row64 * HIDDEN + offs, mask=mask, other=0.0)
-        acc = acc + to_fp32(x, SOFT)
+        own = use_mine & (rank == p)
+        x = tl.load(_region(peers_ptr, p, in_off, DTYPE) + row64 * HIDDEN + offs, mask=mask & (own == 0),
+                    other=0.0)  # fmt: skip
+        acc = acc + to_fp32(tl.where(own, mine, x), SOFT)
     return to_fp32(to_dtype_rne(acc, DTYPE, SOFT), SOFT)
 
 
@@ -111,17 +138,18 @@ def _rank_order_sum(peers_ptr, in_off, row64, offs, mask, HIDDEN: tl.constexpr, 
     do_not_specialize_on_alignment=["scale_ptr"],
 )
 def symm_allreduce_norm_kernel(
-    x_ptr,  # [T, H] this rank's partial (row stride x_stride); read only when copy_in
+    x_ptr,  # [T, H] this rank's partial (row stride x_stride); its inputs region when not copy_in
     res_ptr,  # [T, H] residual in D
     w_ptr,  # [H] norm weight in D
     scale_ptr,  # fp32 [1]: fp8_static dequant scale / nvfp4 global encode scale (else any pointer)
-    h_ptr,  # [T, H] new residual out, D (may be x_ptr: each row is copied out before it is written)
+    h_ptr,  # [T, H] new residual out, D (may be x_ptr: each row is read before it is written)
     y_ptr,  # [T, H] normed out, D (any pointer unless WRITE_NORMED)
     q_ptr,  # uint8 codes (any pointer when QUANT == 0)
     sf_ptr,  # scales out (any pointer when the format has none)
     peers_ptr,  # int64 [WORLD]: every rank's workspace address
     epochs_ptr,  # int32 [SLOTS]: this rank's call counter per program
     err_ptr,  # int32 [1]: timeout bits
+    my_base,  # this rank's workspace address (peers[rank]), so polls need no load first
     n_rows,  # T
     x_stride,
     res_stride,
@@ -150,37 +178,64 @@ def symm_allreduce_norm_kernel(
     SYNC: tl.constexpr,  # False: no flag operations (emulated ranks in one process)
     STAGE: tl.constexpr,  # 0: everything; 1, 2, 3: only that part (emulation)
 ):
-    """Program ``b`` serves rows ``b, b + SLOTS, ...`` below T (the grid is ``min(T, SLOTS)``),
-    and zeroes its share of the swizzled padding rows."""
+    """Programs ``b < min(T, SLOTS)`` serve rows ``b, b + SLOTS, ...`` below T; with swizzled
+    scales, :func:`~arnorm_triton._kernels.padding_programs` more programs zero the padding rows
+    and take no part in the flag protocol (the grid is a function of T alone on every rank)."""
     b = tl.program_id(0)
+    n_main = tl.minimum(n_rows, SLOTS)
+    if SWIZZLED:  # noqa: SIM102
+        if b >= n_main:
+            # A padding program: it touches no symmetric memory, no flag and no call counter,
+            # so it needs no synchronization and runs beside the row programs, not after them.
+            if STAGE == 0 or STAGE == 3:
+                zero_padding_rows(sf_ptr, b - n_main, n_rows, HIDDEN, BLOCK, GROUP)
+            return
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
     e = tl.load(epochs_ptr + b).to(tl.uint32, bitcast=True) + 1
+    # This rank's first row, loaded before any wait (it is this rank's own data either way): it
+    # is published from registers and summed from registers.
+    b64 = tl.cast(b, tl.int64)
+    mine = tl.load(x_ptr + b64 * x_stride + offs, mask=mask, other=0.0)
 
     # Part 1: publish this rank's rows, then wait for every rank's.
     if STAGE == 0 or STAGE == 1:
         if copy_in != 0:
             if SYNC:  # noqa: SIM102 (a constexpr and a runtime test: Triton folds the first away)
                 if end_wait == 0:  # else the previous call already waited at its end
-                    _wait(peers_ptr, DONE, b, rank, e - 1, spin_limit, err_ptr, SLOTS, WORLD)
-            mine = _region(peers_ptr, rank, in_off, DTYPE)
-            for row in range(b, n_rows, SLOTS):
+                    _wait(my_base, DONE, b, rank, e - 1, spin_limit, err_ptr, SLOTS, WORLD)
+            region = _region(peers_ptr, rank, in_off, DTYPE)
+            tl.store(region + b64 * HIDDEN + offs, mine, mask=mask)
+            for row in range(b + SLOTS, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
                 x = tl.load(x_ptr + row64 * x_stride + offs, mask=mask)
-                tl.store(mine + row64 * HIDDEN + offs, x, mask=mask)
+                tl.store(region + row64 * HIDDEN + offs, x, mask=mask)
         if SYNC:
             _signal(peers_ptr, READY, b, rank, e, SLOTS, WORLD)
-            _wait(peers_ptr, READY, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
+            _wait(my_base, READY, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
 
     if two_shot == 0:
         # Part 2 (one-shot): every rank sums every partial of its rows, identically.
         if STAGE == 0 or STAGE == 2:
-            for row in range(b, n_rows, SLOTS):
+            s = _rank_order_sum(peers_ptr, in_off, b64, offs, mask, mine, True, rank, HIDDEN, WORLD, DTYPE,
+                                SOFT)  # fmt: skip
+            if SYNC:  # noqa: SIM102
+                if n_rows <= SLOTS:
+                    # This program's only row is read: release the peers' rows before the epilogue.
+                    _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
+            norm_quant_epilogue(s, b64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
+                                q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
+                                SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+            for row in range(b + SLOTS, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
-                s = _rank_order_sum(peers_ptr, in_off, row64, offs, mask, HIDDEN, WORLD, DTYPE, SOFT)
+                s = _rank_order_sum(peers_ptr, in_off, row64, offs, mask, mine, False, rank, HIDDEN, WORLD,
+                                    DTYPE, SOFT)  # fmt: skip
                 norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
                                     q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
                                     SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+        if (STAGE == 0 or STAGE == 3) and SYNC:  # noqa: SIM102
+            if n_rows > SLOTS:  # several rows per program: all of them are read now
+                _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
     else:
         # Part 2 (two-shot): reduce the rows of this program that this rank owns, owner(t) =
         # (t % SLOTS + t // SLOTS) % WORLD: the j-th row of program b (t = b + j * SLOTS) belongs
@@ -190,11 +245,12 @@ def symm_allreduce_norm_kernel(
             sums = _region(peers_ptr, rank, sum_off, DTYPE)
             for row in range(b + first * SLOTS, n_rows, WORLD * SLOTS):
                 row64 = tl.cast(row, tl.int64)
-                s = _rank_order_sum(peers_ptr, in_off, row64, offs, mask, HIDDEN, WORLD, DTYPE, SOFT)
+                s = _rank_order_sum(peers_ptr, in_off, row64, offs, mask, mine, row == b, rank, HIDDEN, WORLD,
+                                    DTYPE, SOFT)  # fmt: skip
                 tl.store(sums + row64 * HIDDEN + offs, to_dtype_rne(s, DTYPE, SOFT), mask=mask)
             if SYNC:
                 _signal(peers_ptr, SUMS, b, rank, e, SLOTS, WORLD)
-                _wait(peers_ptr, SUMS, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
+                _wait(my_base, SUMS, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
         # Part 3 (two-shot): every row's sum from its owner, then the epilogue.
         if STAGE == 0 or STAGE == 3:
             for row in range(b, n_rows, SLOTS):
@@ -206,28 +262,23 @@ def symm_allreduce_norm_kernel(
                                     scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK,
                                     GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
                                     SOFT_FP8)  # fmt: skip
+            if SYNC:
+                _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
 
-    # Last part: release the peers' rows, pad the swizzled scales, count the call.
+    # Last part: with an input buffer lent, wait until the peers are done reading; count the call.
     if STAGE == 0 or STAGE == 3:
-        if SYNC:
-            _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
+        if SYNC:  # noqa: SIM102
             if end_wait != 0:
-                _wait(peers_ptr, DONE, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
-        if SWIZZLED:
-            pad_programs = (
-                (n_rows + 127) // 128 * 128 - n_rows + PAD_ROWS_PER_PROGRAM - 1
-            ) // PAD_ROWS_PER_PROGRAM
-            for p in range(b, pad_programs, tl.num_programs(0)):
-                zero_padding_rows(sf_ptr, p, n_rows, HIDDEN, BLOCK, GROUP)
+                _wait(my_base, DONE, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
         tl.store(epochs_ptr + b, e.to(tl.int32, bitcast=True))
 
 
 @triton.jit(do_not_specialize=["rank", "spin_limit"])
-def symm_wait_done_kernel(peers_ptr, epochs_ptr, err_ptr, rank, spin_limit, SLOTS: tl.constexpr,
+def symm_wait_done_kernel(epochs_ptr, err_ptr, my_base, rank, spin_limit, SLOTS: tl.constexpr,
                           WORLD: tl.constexpr):  # fmt: skip
     """Wait until every peer's program ``b`` is done reading this rank's rows of its last call
     (grid ``SLOTS``): run once when zero-copy input starts, so the caller's first write into the
     inputs region cannot race a peer still reading a copy-in call that did not wait at its end."""
     b = tl.program_id(0)
     e = tl.load(epochs_ptr + b).to(tl.uint32, bitcast=True)
-    _wait(peers_ptr, DONE, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
+    _wait(my_base, DONE, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)

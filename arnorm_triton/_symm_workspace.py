@@ -141,6 +141,11 @@ class SymmWorkspace:
         raw = self.buffer[lay.in_off : lay.in_off + num_tokens * lay.row_bytes]
         return raw.view(self.dtype).view(num_tokens, lay.hidden)
 
+    @property
+    def base(self) -> int:
+        """This rank's buffer address (``peers[rank]``), passed to the kernels as an integer."""
+        return int(self.buffer.data_ptr())
+
     def input_ptr(self) -> int:
         return int(self.buffer.data_ptr()) + self.layout.in_off
 

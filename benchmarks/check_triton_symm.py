@@ -80,9 +80,17 @@ def _problem(world: int, hidden: int, dtype: str, quant: str | None, layout: str
     )  # fmt: skip
 
 
-def _local_backend(problem: Any, slots: int, world: int, oneshot_max: int, spin_limit: int = 1 << 27) -> Any:
-    """A TritonSymmBackend over a plain (non-symmetric) workspace of ``world`` ranks in this process:
-    with world 1 the kernel synchronizes with itself (real flags); larger worlds only compile."""
+def _local_backend(
+    problem: Any,
+    slots: int,
+    world: int,
+    oneshot_max: int,
+    spin_limit: int = 1 << 27,
+    ready_peers: bool = True,
+) -> Any:
+    """A TritonSymmBackend over a plain (non-symmetric) workspace of ``world`` ranks in this process,
+    as rank 0: world 1 makes no flag operation at all (a rank needs no flag for its own rows);
+    larger worlds have peers that are always ready (see below)."""
     import torch
 
     from arnorm.plugin import Comm
@@ -93,6 +101,14 @@ def _local_backend(problem: Any, slots: int, world: int, oneshot_max: int, spin_
     lay = plan_layout(world=world, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
                       max_tokens=problem.max_tokens, max_bytes=1 << 40, oneshot_max=oneshot_max)  # fmt: skip
     ws = emulated(lay, dtype, "cuda")[0]
+    if world > 1 and ready_peers:
+        # Rank 0 of a world whose peers are always ahead: their flags in rank 0's buffer hold an
+        # epoch 2**30 calls ahead, so every wait is met at its first poll while the kernel still
+        # makes every flag operation and every peer load (into local tensors) a real TP run makes.
+        from arnorm_triton._symm_workspace import KINDS
+
+        flags = ws.buffer[: KINDS * slots * world * 4].view(torch.int32).view(KINDS, slots, world)
+        flags[:, :, 1:] = 1 << 30
     settings = {"max_bytes": 1 << 40, "oneshot_max_tokens": oneshot_max, "spin_limit": spin_limit}
     return TritonSymmBackend(
         problem, Comm(None, torch.device("cuda", torch.cuda.current_device())), ws, settings
@@ -226,7 +242,8 @@ def calibrate() -> int:
     problem = _problem(1, 4096, "bfloat16", None, None)
     rows = []
     for polls in (1 << 14, 1 << 17, 1 << 20):
-        b = _local_backend(problem, 1, 1, oneshot_max=32, spin_limit=polls)
+        # Rank 0 of 2 whose peer never comes (world 1 has no flag to poll: no wait for itself).
+        b = _local_backend(problem, 2, 2, oneshot_max=32, spin_limit=polls, ready_peers=False)
         b.launcher.workspace.epochs.fill_(1000)  # DONE >= 1000 never arrives: every poll fails
         b.launcher.wait_done()
         torch.cuda.synchronize()
@@ -303,13 +320,18 @@ def tp1(deadline: float) -> int:
     from arnorm_triton._plugin import TritonSettings
 
     t_end = time.perf_counter() + deadline
-    rows, data = [], []
+    rows, data, eager = [], [], []
+    cols = ("triton", "symm one-shot", "symm one-shot W=2", "symm two-shot W=2")
     for hidden in (4096, 8192):
         for quant, layout in ((None, None), ("fp8_static", None), ("nvfp4", "swizzled_128x4")):
             problem = _problem(1, hidden, "bfloat16", quant, layout, max_tokens=1024)
             tri = TritonBackend.create(problem, Comm(None, torch.device("cuda", 0)), TritonSettings())
-            one = _local_backend(problem, _slots(1), 1, oneshot_max=1024)
-            two = _local_backend(problem, _slots(1), 1, oneshot_max=0)
+            backends = {
+                "triton": tri,
+                "symm one-shot": _local_backend(problem, _slots(1), 1, oneshot_max=1024),
+                "symm one-shot W=2": _local_backend(problem, _slots(2), 2, oneshot_max=1024),
+                "symm two-shot W=2": _local_backend(problem, _slots(2), 2, oneshot_max=0),
+            }
             for t in (1, 16, 128, 1024):
                 if time.perf_counter() > t_end:
                     break
@@ -318,28 +340,52 @@ def tp1(deadline: float) -> int:
                 w = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
                 scale = torch.tensor([0.05], device="cuda") if quant else None
                 times = {}
-                for name, b in (("triton", tri), ("symm one-shot", one), ("symm two-shot", two)):
+                for name, b in backends.items():
                     xs = x.clone()
                     times[name] = _graph_time(functools.partial(b, xs, res, w, scale))
                     if name != "triton":
                         b.check()
-                ratio = times["symm one-shot"] / times["triton"]
-                cells = " | ".join(f"{times[k]:.2f}" for k in ("triton", "symm one-shot", "symm two-shot"))
+                ratio = times["symm one-shot W=2"] / times["triton"]
+                cells = " | ".join(f"{times[k]:.2f}" for k in cols)
                 rows.append(f"| {hidden} | {quant or 'none'} | {t} | {cells} | {ratio:.2f}x |")
                 data.append({"hidden": hidden, "quant": quant, "tokens": t, **times})
+                if t == 1 and hidden == 4096:
+                    eager.append(_eager_row(quant, backends, x, res, w, scale))
     lines = [
-        "One process, world size 1: the triton_symm kernel publishes its partial, flags itself and "
-        "waits for its own flags (the fixed cost of the protocol, no peer traffic), then runs the same "
-        "epilogue as triton. CUDA graph of 20 calls, replayed; microseconds per call. triton_symm "
-        "itself is never selected at TP 1 (world size: 1 (needs 2 to 8)). Target (issue 13): one-shot "
-        "within 1.15x of triton at T <= 128.",
+        "One process. `symm one-shot`: world size 1, where the kernel makes no flag operation at all "
+        "(a rank needs no flag for its own rows): publish, sum, epilogue. `W=2`: rank 0 of a world "
+        "of 2 whose peer is always ready (its flags preset far ahead, its buffer a local tensor): "
+        "every flag release, poll and peer load a TP 2 call makes, without waiting for anyone: the "
+        "fixed cost of the protocol. CUDA graph of 20 calls, replayed; microseconds per call. "
+        "triton_symm itself is never selected at TP 1. Target (issue 13): one-shot within 1.15x "
+        "of triton at T <= 128 (the ratio column: one-shot W=2 / triton).",
         "",
-        "| H | quant | T | triton us | symm one-shot us | symm two-shot us | one-shot / triton |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| H | quant | T | " + " us | ".join(cols) + " us | one-shot W=2 / triton |",
+        "|---:|---|---:|" + "---:|" * (len(cols) + 1),
         *rows,
+        "",
+        "Eager host time (H 4096, T 1, one-shot W=2; microseconds per call, 200 calls, then one "
+        "synchronize): triton_symm through its direct launch and through `kernel[grid]`, triton's "
+        "for reference.",
+        "",
+        "| quant | symm direct us | symm kernel[grid] us | triton us | symm bound |",
+        "|---|---:|---:|---:|---|",
+        *eager,
     ]
-    _append("TP 1: kernel cost against triton (bf16, Gemma norm)", lines, {"rows": data})
+    _append("TP 1: kernel cost against triton (bf16, Gemma norm)", lines, {"rows": data, "eager": eager})
     return 0
+
+
+def _eager_row(quant: Any, backends: dict, x: Any, res: Any, w: Any, scale: Any) -> str:
+    """Host microseconds per eager call of triton_symm (direct, then kernel[grid]) and triton."""
+    b = backends["symm one-shot W=2"]
+    bound = b.bind_direct(x.clone(), res, w, scale, two_shot=False)
+    direct = _eager_time(functools.partial(b, x.clone(), res, w, scale), 200)
+    b.launcher.unbind()
+    ordinary = _eager_time(functools.partial(b, x.clone(), res, w, scale), 200)
+    tri = _eager_time(functools.partial(backends["triton"], x.clone(), res, w, scale), 200)
+    b.check()
+    return f"| {quant or 'none'} | {direct:.1f} | {ordinary:.1f} | {tri:.1f} | {bound} |"
 
 
 # -- tp2 -------------------------------------------------------------------------------------------

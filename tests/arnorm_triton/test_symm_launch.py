@@ -1,0 +1,113 @@
+"""triton_symm's launcher on CPU: the grid, and the direct launch's arguments against kernel[grid]'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arnorm_triton import _kernels as K
+from arnorm_triton import _symm_kernels as S
+from arnorm_triton import _symm_launch as L
+from arnorm_triton._launch import _Bound
+from arnorm_triton._symm_workspace import emulated, plan_layout
+
+H = 64
+
+
+def _launcher(quant=None, layout=None, world=2, slots=4):
+    lay = plan_layout(world=world, slots=slots, hidden=H, itemsize=2, max_tokens=8, max_bytes=1 << 20,
+                      oneshot_max=3)  # fmt: skip
+    ws = emulated(lay, torch.bfloat16)[1]
+    launcher = L.SymmLauncher(ws, quant=quant, layout=layout, write_normed=True, eps=1e-6, weight_offset=1.0,
+                              round_before_weight=False, soft=True, soft_fp8=True, sync=True,
+                              spin_limit=100)  # fmt: skip
+    return launcher, ws
+
+
+def _tensors(t):
+    x = torch.randn(t, H).to(torch.bfloat16)
+    res, h, y = torch.randn_like(x), torch.zeros_like(x), torch.zeros_like(x)
+    w = torch.ones(H, dtype=torch.bfloat16)
+    q = torch.zeros(t, H, dtype=torch.uint8)
+    sf = torch.zeros(t, 1, dtype=torch.float32)
+    return x, res, w, None, h, y, q, sf
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """kernel[grid] and the compiled launcher replaced by recorders; the launcher bindable on CPU."""
+    calls: dict[str, list] = {"ordinary": [], "direct": []}
+
+    def fake_launcher(kernel, grid, warmup):
+        def call(*args, **kwargs):
+            calls["ordinary"].append((grid, args, kwargs))
+            return "compiled"
+
+        return call
+
+    bound = _Bound(run=lambda *a: calls["direct"].append(a), function="fn", mid=("m1", "m2"))
+    monkeypatch.setattr(L, "_launcher", fake_launcher)
+    monkeypatch.setattr(L, "_bound_launchers", lambda compiled: [bound])
+    monkeypatch.setattr(L, "_stream_getter", lambda: lambda index: 7)
+    monkeypatch.setattr(K, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return calls
+
+
+def _as_ints(args):
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def test_grid_is_rows_up_to_slots_plus_padding_programs():
+    """The grid is min(T, slots) row programs, plus one program per 32 swizzled padding rows."""
+    plain, _ = _launcher()
+    swz, _ = _launcher("nvfp4", "swizzled_128x4")
+    assert [plain.grid(t) for t in (1, 3, 4, 9, 128)] == [1, 3, 4, 4, 4]
+    assert [swz.grid(t) for t in (1, 3, 4, 9, 128)] == [1 + 4, 3 + 4, 4 + 4, 4 + 4, 4 + 0]
+
+
+def test_direct_launch_passes_what_kernel_grid_gets(recorded):
+    """After bind, a launch calls the compiled launcher with the grid, stream, function and every
+    kernel argument in signature order, exactly the values kernel[grid] receives."""
+    launcher, _ = _launcher("fp8_per_token")
+    assert launcher.bind(_tensors(3), 3, (H, H, H), two_shot=False)
+    assert len(recorded["ordinary"]) == 1 + L.BIND_TRIALS - 1 and len(recorded["direct"]) == 1
+    recorded["ordinary"].clear()
+    recorded["direct"].clear()
+    tensors = _tensors(2)
+    launcher.launch(*tensors, 2, H, H, H, two_shot=True, copy_in=False, end_wait=True)
+    launcher.unbind()
+    launcher.launch(*tensors, 2, H, H, H, two_shot=True, copy_in=False, end_wait=True)
+    (direct,), ((grid, args, kwargs),) = recorded["direct"], recorded["ordinary"]
+    names = S.symm_allreduce_norm_kernel.arg_names
+    consts = tuple(kwargs[n] for n in names[len(args) :])
+    assert direct[:7] == (grid, 1, 1, 7, "fn", "m1", "m2")
+    assert direct[7:] == _as_ints(args) + consts
+    assert len(args) + len(consts) == len(names) and kwargs["STAGE"] == 0
+
+
+def test_direct_launch_falls_back_when_specialization_differs(recorded):
+    """A misaligned pointer or a stride of another divisibility goes through kernel[grid]; a
+    bind whose direct launch writes other bytes keeps kernel[grid] and launches as often."""
+    launcher, _ = _launcher()
+    assert launcher.bind(_tensors(3), 3, (H, H, H), two_shot=False)
+    recorded["ordinary"].clear()
+    x, res, w, scale, h, y, q, sf = _tensors(2)
+    odd = torch.zeros(2 * H + 1, dtype=torch.bfloat16)[1:].view(2, H)
+    launcher.launch(odd, res, w, scale, h, y, q, sf, 2, H, H, H, two_shot=False, copy_in=True, end_wait=False)
+    launcher.launch(
+        x, res, w, scale, h, y, q, sf, 2, H + 8, H, H, two_shot=False, copy_in=True, end_wait=False
+    )
+    assert len(recorded["ordinary"]) == 2 and len(recorded["direct"]) == 1
+
+
+def test_bind_launches_the_same_number_of_times_when_outputs_differ(recorded, monkeypatch):
+    """A direct launch that writes other bytes than kernel[grid] is not kept, and bind still makes
+    1 + BIND_TRIALS launches (the peers' flags stay in step)."""
+    launcher, _ = _launcher()
+    tensors = _tensors(3)
+    bad = _Bound(run=lambda *a: (recorded["direct"].append(a), tensors[4].fill_(1.0)), function="fn", mid=())
+    monkeypatch.setattr(L, "_bound_launchers", lambda compiled: [bad])
+    assert not launcher.bind(tensors, 3, (H, H, H), two_shot=False)
+    assert not launcher.fast
+    assert len(recorded["ordinary"]) + len(recorded["direct"]) == 1 + L.BIND_TRIALS
