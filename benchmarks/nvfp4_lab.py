@@ -78,14 +78,17 @@ def _pack_words(codes, VEC: tl.constexpr):
 
 @triton.jit
 def _store_scales(sf_ptr, vals, row64, blk, K_: tl.constexpr, SWIZZLED: tl.constexpr):
-    """As the production ``_store_block_scales``, with the offsets marked non-contiguous so that
-    Triton stores from the values' own layout instead of converting them to a vector layout."""
+    """As the production ``_store_block_scales``, as a ``[1, NB]`` tile whose offsets are marked
+    non-contiguous, so that Triton stores from the values' own layout instead of converting them
+    (through shared memory, two barriers) to a vector layout."""
+    vals = vals[None, :]
+    blk = blk[None, :]
     if SWIZZLED:
         KP: tl.constexpr = (K_ + 3) // 4 * 4
-        offs = tl.max_contiguous(K._swizzled_offset(row64, blk, KP), 1)
+        offs = tl.max_contiguous(K._swizzled_offset(row64, blk, KP), [1, 1])
         tl.store(sf_ptr + offs, tl.where(blk < K_, vals, 0).to(tl.uint8), mask=blk < KP)
     else:
-        tl.store(sf_ptr + tl.max_contiguous(row64 * K_ + blk, 1), vals.to(tl.uint8), mask=blk < K_)
+        tl.store(sf_ptr + tl.max_contiguous(row64 * K_ + blk, [1, 1]), vals.to(tl.uint8), mask=blk < K_)
 
 
 @triton.jit
@@ -199,7 +202,11 @@ def lab_kernel(
                 h = to_dtype_rne(s + to_fp32(res, SOFT), DTYPE, SOFT)
                 tl.store(h_ptr + row64 * h_stride + offs, h, mask=mask)
                 hf = to_fp32(h, SOFT)
-                mean_sq = tl.div_rn(tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=1), axis=0), HIDDEN * 1.0)
+                if OWN:  # in-thread axes first: one cross-lane reduction
+                    ss = tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=0), axis=0)
+                else:  # the production kernel's order
+                    ss = tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=1), axis=0)
+                mean_sq = tl.div_rn(ss, HIDDEN * 1.0)
                 inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
                 y = to_dtype_rne(hf * inv_rms * w, DTYPE, SOFT)
                 if WRITE_NORMED:
