@@ -45,7 +45,7 @@ _INV_E2M1_MAX = tl.constexpr(K._INV_E2M1_MAX.value)
 _FAST_SCALE_LIMIT = tl.constexpr(float(2**118))
 
 #: name -> lab constexprs (E2M1, PACK, DECODE_HW, SF_STORE, ROWS).
-_BASE = {"E2M1": 0, "PACK": 0, "DECODE_HW": 0, "SF_STORE": 0, "OWN": 0, "ROWS": 1}
+_BASE = {"E2M1": 0, "PACK": 0, "DECODE_HW": 0, "SF_STORE": 0, "OWN": 0, "AMAX_F": 0, "ROWS": 1}
 VARIANTS: dict[str, dict[str, int]] = {
     "lab_base": _BASE,
     "fma": {**_BASE, "E2M1": 1},
@@ -53,6 +53,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "fma_hw_pack": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1},
     "own": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1},
     "own_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "ROWS": 2},
+    "own_f": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "AMAX_F": 1},
+    "own_f_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "AMAX_F": 1, "ROWS": 2},
     "fma_hw_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "ROWS": 2},
 }
 
@@ -92,11 +94,30 @@ def _store_scales(sf_ptr, vals, row64, blk, K_: tl.constexpr, SWIZZLED: tl.const
 
 
 @triton.jit
-def _codes(v, enc_nan, scale, E2M1: tl.constexpr):
-    """int32 e2m1 codes of ``v`` (production or single-FMA rounding; ``enc_nan`` broadcast to v)."""
+def _max_abs_nan(a, b):
+    return tl.maximum(tl.abs(a), tl.abs(b), propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _block_amax(yf, axis0: tl.constexpr, axis1: tl.constexpr, AMAX_F: tl.constexpr):
+    """Block amaxes over two axes, NaN if any element is NaN: :func:`abs_max` (integer max of the
+    abs bits), or (``AMAX_F``) a float max with NaN propagation (``max.NaN.f32``, abs a free
+    operand modifier): the same value up to the NaN payload, which no later step reads."""
+    if AMAX_F:
+        return tl.reduce(tl.reduce(yf, axis0, _max_abs_nan), axis1, _max_abs_nan)
+    else:
+        return abs_max(abs_max(yf, axis0), axis1)
+
+
+@triton.jit
+def _codes(v, enc_nan, scale, E2M1: tl.constexpr, MASK: tl.constexpr):
+    """int32 e2m1 codes of ``v`` (production or single-FMA rounding); ``MASK``: zero the codes of
+    NaN blocks here (``enc_nan`` broadcast to v), else the caller zeroes packed words."""
     if E2M1 == 1:
         if tl.abs(scale) < _FAST_SCALE_LIMIT:
-            c = tl.where(enc_nan, 0, e2m1_code_fma(v))
+            c = e2m1_code_fma(v)
+            if MASK:
+                c = tl.where(enc_nan, 0, c)
         else:
             c = e2m1_code(v).to(tl.int32)
     else:
@@ -107,7 +128,8 @@ def _codes(v, enc_nan, scale, E2M1: tl.constexpr):
 @triton.jit
 def _nvfp4_row(yf, scale, row64, q_ptr, sf_ptr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                VEC: tl.constexpr, SWIZZLED: tl.constexpr, SOFT_FP8: tl.constexpr, E2M1: tl.constexpr,
-               PACK: tl.constexpr, DECODE_HW: tl.constexpr, SF_STORE: tl.constexpr, OWN: tl.constexpr):  # fmt: skip
+               PACK: tl.constexpr, DECODE_HW: tl.constexpr, SF_STORE: tl.constexpr, OWN: tl.constexpr,
+               AMAX_F: tl.constexpr):  # fmt: skip
     """Step 4 for nvfp4 of one row: ``yf`` fp32, D-rounded, ``[NB, GROUP // VEC, VEC]``
     (``OWN``: ``[GROUP // VEC, NB, VEC]``, a thread owns whole blocks)."""
     NB: tl.constexpr = BLOCK // GROUP
@@ -115,9 +137,9 @@ def _nvfp4_row(yf, scale, row64, q_ptr, sf_ptr, HIDDEN: tl.constexpr, BLOCK: tl.
     K_: tl.constexpr = HIDDEN // GROUP
     blk = tl.arange(0, NB)
     if OWN:
-        amax = abs_max(abs_max(yf, 2), 0)
+        amax = _block_amax(yf, 2, 0, AMAX_F)
     else:
-        amax = abs_max(abs_max(yf, 2), 1)
+        amax = _block_amax(yf, 2, 1, AMAX_F)
     sf_code = e4m3_bits(scale * (amax * _INV_E2M1_MAX), SOFT_FP8)
     if DECODE_HW and not SOFT_FP8:
         sf = (sf_code & 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -134,11 +156,13 @@ def _nvfp4_row(yf, scale, row64, q_ptr, sf_ptr, HIDDEN: tl.constexpr, BLOCK: tl.
         enc_nan = (enc != enc)[:, None, None]
         jj = tl.arange(0, G)[None, :]
         bb = blk[:, None]
-    c = _codes(v, enc_nan, scale, E2M1)
+    c = _codes(v, enc_nan, scale, E2M1, not PACK)
     qrow = q_ptr + row64 * (HIDDEN // 2)
     if PACK:
         tl.static_assert(VEC == 8, "PACK needs 8 elements per 16-byte slice (2-byte dtypes)")
         words = tl.sum(c << (tl.arange(0, VEC) * 4)[None, None, :], axis=2)
+        if E2M1 == 1:  # NaN blocks (fast path only: the production path zeroes NaN codes itself)
+            words = tl.where(tl.sum(enc_nan.to(tl.int32), axis=2) > 0, 0, words)
         woffs = bb * G + jj
         tl.store(qrow.to(tl.pointer_type(tl.int32)) + tl.max_contiguous(woffs, [1, 1]), words,
                  mask=woffs < HIDDEN // VEC)  # fmt: skip
@@ -179,7 +203,7 @@ def lab_kernel(
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, SWIZZLED: tl.constexpr,
     WRITE_NORMED: tl.constexpr, SOFT: tl.constexpr, SOFT_FP8: tl.constexpr, USE_PDL: tl.constexpr,
     E2M1: tl.constexpr, PACK: tl.constexpr, DECODE_HW: tl.constexpr, SF_STORE: tl.constexpr, OWN: tl.constexpr,
-    ROWS: tl.constexpr,
+    AMAX_F: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """The production fused kernel for nvfp4 (one partial, a residual, weight after rounding
     order ``round_before_weight=False``), ``ROWS`` rows per program; programs past
@@ -212,7 +236,7 @@ def lab_kernel(
                 if WRITE_NORMED:
                     tl.store(y_ptr + row64 * HIDDEN + offs, y, mask=mask)
                 _nvfp4_row(to_fp32(y, SOFT), scale, row64, q_ptr, sf_ptr, HIDDEN, BLOCK, GROUP, VEC, SWIZZLED,
-                           SOFT_FP8, E2M1, PACK, DECODE_HW, SF_STORE, OWN)  # fmt: skip
+                           SOFT_FP8, E2M1, PACK, DECODE_HW, SF_STORE, OWN, AMAX_F)  # fmt: skip
     else:
         if SWIZZLED:
             K.zero_padding_rows(sf_ptr, pid - n_progs, n_rows, HIDDEN, BLOCK, GROUP)

@@ -132,7 +132,7 @@ def _params() -> list:
     out = []
     for variant in lab.VARIANTS:
         for i, case in enumerate(CASES):
-            quick = i == 0 and variant in ("own", "own_r2")
+            quick = i == 0 and variant in ("own_f", "own_f_r2")
             marks = () if quick else (pytest.mark.slow,)
             out.append(pytest.param(variant, case, marks=marks, id=f"{variant}-T{case[0]}-H{case[1]}"))
     return out
