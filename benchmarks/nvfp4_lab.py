@@ -55,6 +55,7 @@ VARIANTS: dict[str, dict[str, int]] = {
     "own_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "ROWS": 2},
     "own_f": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "AMAX_F": 1},
     "own_f_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "AMAX_F": 1, "ROWS": 2},
+    "own_f_r4": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "AMAX_F": 1, "ROWS": 4},
     "fma_hw_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "ROWS": 2},
 }
 
