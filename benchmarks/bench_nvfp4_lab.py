@@ -255,7 +255,12 @@ def main() -> int:
     lab = _load("nvfp4_lab")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"checks": {}, "timings": [], "errors": [], "skipped": []}
+    report: dict[str, Any] = {"checks": {}, "timings": [], "errors": [], "skipped": [], "copy_bw": 1.0}
+
+    def save() -> None:  # after every step: a timeout still leaves what was measured
+        (out / "nvfp4-lab.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "nvfp4-lab.md").write_text(render(report))
+
     soft = args.smoke
     dev = "cpu" if args.smoke else "cuda"
     shapes = [(8192, 4096), (16384, 4096), (8192, 8192), (16384, 8192)] if not args.smoke else [(8, 64)]
@@ -291,6 +296,7 @@ def main() -> int:
                 except Exception as exc:
                     report["checks"][key] = f"ERROR {type(exc).__name__}: {str(exc)[:200]}"
                 print(key, report["checks"][key], flush=True)
+    save()
 
     # 3. Copy bandwidth and timings.
     if args.smoke:
@@ -322,8 +328,8 @@ def main() -> int:
                 del b
                 if not args.smoke:
                     torch.cuda.empty_cache()
-    (out / "nvfp4-lab.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "nvfp4-lab.md").write_text(render(report))
+                save()
+    save()
     print(render(report), flush=True)
     return 0
 
@@ -334,7 +340,7 @@ def best_lab(path: pathlib.Path) -> str:
     rows = [r for r in json.loads(path.read_text())["timings"] if "bw_frac" in r and r["kernel"] != "production"
             and (r["T"], r["H"], r["normed"], r["swizzled"]) == (8192, 4096, False, True)]  # fmt: skip
     if not rows:
-        return "own:8"
+        return "own_f:8"
     r = max(rows, key=lambda r: r["bw_frac"])
     return f"{r['kernel']}:{r['warps']}"
 
