@@ -37,7 +37,7 @@ GEMMA = 1.0  # weight offset: the Gemma norm
 #: Warps per variant kind and H (production: the launch table's choice for the T, plus these).
 WARPS = {4096: (4, 8), 8192: (8, 16)}
 #: Lab variants timed (every variant is checked): each step of the progression that adds something.
-TIMED = ("fma_hw", "fma_hw_pack", "fma_hw_r2", "own_f", "own_f_r2", "own_f_r4")
+TIMED = ("fma_hw", "fma_hw_pack", "same_f", "same_f_r2", "own_f", "own_f_r2", "own_f_r4")
 
 
 def _load(name: str) -> Any:
@@ -106,7 +106,14 @@ class Bufs:
 
     def nbytes(self) -> int:
         t, h = self.x.shape
-        return 3 * t * h * 2 + h * 2 + (t * h * 2 if self.y is not None else 0) + t * h // 2 + self.sf.numel() + 4
+        return (
+            3 * t * h * 2
+            + h * 2
+            + (t * h * 2 if self.y is not None else 0)
+            + t * h // 2
+            + self.sf.numel()
+            + 4
+        )
 
 
 def launcher(name: str, warps: int, lab: Any, b: Bufs, soft: bool) -> Any:
@@ -132,7 +139,9 @@ def _warm(jobs: list[tuple[str, int, int, bool, bool]]) -> list[str]:
             launcher(name, warps, lab, b, False)()
             torch.cuda.synchronize()
         except Exception as exc:  # reported, the timing process retries and records it
-            errs.append(f"{name} w{warps} H{h} normed={normed} swz={swz}: {type(exc).__name__}: {str(exc)[:300]}")
+            errs.append(
+                f"{name} w{warps} H{h} normed={normed} swz={swz}: {type(exc).__name__}: {str(exc)[:300]}"
+            )
     return errs
 
 
@@ -150,7 +159,7 @@ def warm_all(jobs: list, workers: int) -> list[str]:
 
 
 def _same(torch: Any, a: Any, b: Any) -> bool:
-    return a is None and b is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def check_variant(torch: Any, lab: Any, dev: Any, name: str, warps: int, h: int, swz: bool, soft: bool,
@@ -279,7 +288,12 @@ def main() -> int:
         jobs |= {(name, w, 4096, False, False) for name, w in kernels_for(4096, False, 8192, lab)}
         jobs |= {(name, w, h, True, s) for h in check_h for s in (True, False) for name in lab.VARIANTS
                  for w in (WARPS.get(h, (4,))[0],)}  # fmt: skip
-        jobs |= {("production", w, h, True, s) for h in check_h for s in (True, False) for w in (WARPS.get(h, (4,))[0],)}
+        jobs |= {
+            ("production", w, h, True, s)
+            for h in check_h
+            for s in (True, False)
+            for w in (WARPS.get(h, (4,))[0],)
+        }
         t0 = elapsed()
         report["errors"] += warm_all(sorted(jobs), args.workers)
         print(f"compiled {len(jobs)} kernels in {elapsed() - t0:.0f} s", flush=True)
@@ -291,7 +305,15 @@ def main() -> int:
                 key = f"{name} H={h} {'swizzled' if swz else 'linear'}"
                 try:
                     report["checks"][key] = check_variant(
-                        torch, lab, dev, name, WARPS.get(h, (4,))[0], h, swz, soft, 301 if not args.smoke else 8
+                        torch,
+                        lab,
+                        dev,
+                        name,
+                        WARPS.get(h, (4,))[0],
+                        h,
+                        swz,
+                        soft,
+                        301 if not args.smoke else 8,
                     )
                 except Exception as exc:
                     report["checks"][key] = f"ERROR {type(exc).__name__}: {str(exc)[:200]}"
@@ -337,8 +359,14 @@ def main() -> int:
 def best_lab(path: pathlib.Path) -> str:
     """``KERNEL:WARPS`` of the lab kernel with the best fraction at T = 8192, H = 4096, no normed
     output, swizzled scales (the shape ncu profiles)."""
-    rows = [r for r in json.loads(path.read_text())["timings"] if "bw_frac" in r and r["kernel"] != "production"
-            and (r["T"], r["H"], r["normed"], r["swizzled"]) == (8192, 4096, False, True)]  # fmt: skip
+    shape = (8192, 4096, False, True)
+    rows = [
+        r
+        for r in json.loads(path.read_text())["timings"]
+        if "bw_frac" in r
+        and r["kernel"] != "production"
+        and (r["T"], r["H"], r["normed"], r["swizzled"]) == shape
+    ]
     if not rows:
         return "own_f:8"
     r = max(rows, key=lambda r: r["bw_frac"])

@@ -54,9 +54,29 @@ VARIANTS: dict[str, dict[str, int]] = {
     "own": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1},
     "own_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "ROWS": 2},
     "own_f": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "AMAX_F": 1},
-    "own_f_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "AMAX_F": 1, "ROWS": 2},
-    "own_f_r4": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "OWN": 1, "AMAX_F": 1, "ROWS": 4},
+    "own_f_r2": {
+        **_BASE,
+        "E2M1": 1,
+        "DECODE_HW": 1,
+        "PACK": 1,
+        "SF_STORE": 1,
+        "OWN": 1,
+        "AMAX_F": 1,
+        "ROWS": 2,
+    },
+    "own_f_r4": {
+        **_BASE,
+        "E2M1": 1,
+        "DECODE_HW": 1,
+        "PACK": 1,
+        "SF_STORE": 1,
+        "OWN": 1,
+        "AMAX_F": 1,
+        "ROWS": 4,
+    },
     "fma_hw_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "ROWS": 2},
+    "same_f": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "AMAX_F": 1},
+    "same_f_r2": {**_BASE, "E2M1": 1, "DECODE_HW": 1, "PACK": 1, "SF_STORE": 1, "AMAX_F": 1, "ROWS": 2},
 }
 
 
@@ -127,7 +147,8 @@ def _codes(v, enc_nan, scale, E2M1: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_row(yf, scale, row64, q_ptr, sf_ptr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+def _nvfp4_row(yf, scale, row64, q_ptr, sf_ptr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+               GROUP: tl.constexpr,
                VEC: tl.constexpr, SWIZZLED: tl.constexpr, SOFT_FP8: tl.constexpr, E2M1: tl.constexpr,
                PACK: tl.constexpr, DECODE_HW: tl.constexpr, SF_STORE: tl.constexpr, OWN: tl.constexpr,
                AMAX_F: tl.constexpr):  # fmt: skip
@@ -203,8 +224,8 @@ def lab_kernel(
     eps, weight_offset,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, SWIZZLED: tl.constexpr,
     WRITE_NORMED: tl.constexpr, SOFT: tl.constexpr, SOFT_FP8: tl.constexpr, USE_PDL: tl.constexpr,
-    E2M1: tl.constexpr, PACK: tl.constexpr, DECODE_HW: tl.constexpr, SF_STORE: tl.constexpr, OWN: tl.constexpr,
-    AMAX_F: tl.constexpr, ROWS: tl.constexpr,
+    E2M1: tl.constexpr, PACK: tl.constexpr, DECODE_HW: tl.constexpr, SF_STORE: tl.constexpr,
+    OWN: tl.constexpr, AMAX_F: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """The production fused kernel for nvfp4 (one partial, a residual, weight after rounding
     order ``round_before_weight=False``), ``ROWS`` rows per program; programs past
@@ -250,8 +271,25 @@ def grid_rows(n_rows: int, rows: int, swizzled: bool) -> int:
     return (n_rows + rows - 1) // rows + (padding_programs(n_rows) if swizzled else 0)
 
 
-def launch_lab(variant: str, x, res, w, scale, h, y, q, sf, *, eps: float, weight_offset: float, swizzled: bool,
-               num_warps: int, soft: bool = False, soft_fp8: bool = False, pdl: bool = False):  # fmt: skip
+def launch_lab(
+    variant: str,
+    x,
+    res,
+    w,
+    scale,
+    h,
+    y,
+    q,
+    sf,
+    *,
+    eps: float,
+    weight_offset: float,
+    swizzled: bool,
+    num_warps: int,
+    soft: bool = False,
+    soft_fp8: bool = False,
+    pdl: bool = False,
+):
     """One lab launch over ``x.shape[0]`` rows (tensors contiguous ``[T, H]``; ``y`` None: no normed
     output; ``q`` uint8 ``[T, H / 2]``; ``sf`` uint8 scales in the layout ``swizzled`` says)."""
     n_rows, hidden = x.shape
@@ -266,8 +304,24 @@ def launch_lab(variant: str, x, res, w, scale, h, y, q, sf, *, eps: float, weigh
     )  # fmt: skip
 
 
-def launch_production(x, res, w, scale, h, y, q, sf, *, eps: float, weight_offset: float, swizzled: bool,
-                      num_warps: int, soft: bool = False, soft_fp8: bool = False, pdl: bool = False):  # fmt: skip
+def launch_production(
+    x,
+    res,
+    w,
+    scale,
+    h,
+    y,
+    q,
+    sf,
+    *,
+    eps: float,
+    weight_offset: float,
+    swizzled: bool,
+    num_warps: int,
+    soft: bool = False,
+    soft_fp8: bool = False,
+    pdl: bool = False,
+):
     """The production kernel with the same arguments as :func:`launch_lab`."""
     n_rows, hidden = x.shape
     block, group, vec = row_shape(hidden, "nvfp4", x.element_size())
