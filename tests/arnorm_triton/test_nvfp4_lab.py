@@ -186,3 +186,23 @@ def functools_partial(fn, variant):
         return fn(variant, *args, **kwargs)
 
     return call
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="the GPU round runs the script for real")
+def test_bench_nvfp4_lab_smoke(tmp_path: pathlib.Path) -> None:
+    """benchmarks/bench_nvfp4_lab.py --smoke runs every check and timing step and reports them all ok."""
+    import subprocess
+    import sys
+
+    script = _LAB_PATH.parent / "bench_nvfp4_lab.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    md = (tmp_path / "nvfp4-lab.md").read_text()
+    assert "FAIL" not in md and "ERROR" not in md
+    assert md.count(": ok") == 2 * len(lab.VARIANTS)
