@@ -100,18 +100,18 @@ def _pack_words(codes, VEC: tl.constexpr):
 
 
 @triton.jit
-def _store_scales(sf_ptr, vals, row64, blk, K_: tl.constexpr, SWIZZLED: tl.constexpr):
-    """As the production ``_store_block_scales``, as a ``[1, NB]`` tile whose offsets are marked
-    non-contiguous, so that Triton stores from the values' own layout instead of converting them
-    (through shared memory, two barriers) to a vector layout."""
-    vals = vals[None, :]
-    blk = blk[None, :]
+def _store_scales(sf_ptr, vals, blk, only, row64, K_: tl.constexpr, SWIZZLED: tl.constexpr):
+    """As the production ``_store_block_scales``, from a 2-D tile in the row's own register layout
+    (``vals``, ``blk`` broadcast to the tile of the packed words; ``only``: the one lane per block
+    that stores) with offsets marked non-contiguous, so that Triton does not convert the values
+    (through shared memory, two barriers) to a vector layout first."""
     if SWIZZLED:
         KP: tl.constexpr = (K_ + 3) // 4 * 4
         offs = tl.max_contiguous(K._swizzled_offset(row64, blk, KP), [1, 1])
-        tl.store(sf_ptr + offs, tl.where(blk < K_, vals, 0).to(tl.uint8), mask=blk < KP)
+        tl.store(sf_ptr + offs, tl.where(blk < K_, vals, 0).to(tl.uint8), mask=only & (blk < KP))
     else:
-        tl.store(sf_ptr + tl.max_contiguous(row64 * K_ + blk, [1, 1]), vals.to(tl.uint8), mask=blk < K_)
+        offs = tl.max_contiguous(row64 * K_ + blk, [1, 1])
+        tl.store(sf_ptr + offs, vals.to(tl.uint8), mask=only & (blk < K_))
 
 
 @triton.jit
@@ -196,7 +196,13 @@ def _nvfp4_row(yf, scale, row64, q_ptr, sf_ptr, HIDDEN: tl.constexpr, BLOCK: tl.
         poffs = (bb * (GROUP // 2) + jj * (VEC // 2))[:, :, None] + tl.arange(0, VEC // 2)[None, None, :]
         tl.store(qrow + poffs, (lo | (hi << 4)).to(tl.uint8), mask=poffs < HIDDEN // 2)
     if SF_STORE:
-        _store_scales(sf_ptr, sf_code, row64, blk, K_, SWIZZLED)
+        if OWN:  # [1, NB]: one block per lane already
+            _store_scales(sf_ptr, sf_code[None, :], bb, bb >= 0, row64, K_, SWIZZLED)
+        else:  # [NB, G] like the words: lane j == 0 of each block stores
+            zero = jj * 0
+            _store_scales(
+                sf_ptr, sf_code[:, None] + zero.to(tl.uint8), bb + zero, jj == 0, row64, K_, SWIZZLED
+            )
     else:
         K._store_block_scales(sf_ptr, sf_code, row64, blk, K_, SWIZZLED)
 
