@@ -9,7 +9,7 @@ OUT="${OUT:-/tmp/out}"
 PARTS="${PARTS:-kernel symm}"
 declare -A SCRIPT=([nvfp4]=gpu_nvfp4_round.sh [kernel]=gpu_kernel_round.sh [symm]=gpu_symm_round.sh
                    [integrations]=integrations_gpu_check.sh)
-declare -A LIMIT=([nvfp4]=200 [kernel]=330 [symm]=300 [integrations]=330)
+declare -A LIMIT=([nvfp4]=200 [kernel]=290 [symm]=280 [integrations]=330)
 SUMMARY=()
 for part in $PARTS; do
   script="benchmarks/${SCRIPT[$part]:-}"
