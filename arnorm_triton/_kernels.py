@@ -43,6 +43,7 @@ from arnorm_triton._casts import (
     E4M3_MAX,
     abs_max,
     e2m1_code,
+    e2m1_code_fma,
     e4m3_bits,
     e4m3_decode,
     to_dtype_rne,
@@ -90,10 +91,13 @@ def _f32(bits: int) -> float:
 _INV_E2M1_MAX = tl.constexpr(_f32(0x3E2AAAAB))
 _INV_E4M3_MAX = tl.constexpr(_f32(0x3B124925))
 _MIN_TOKEN_SCALE = tl.constexpr(_f32(0x36924925))
+#: nvfp4: below this |global scale| the encode scale gs / SF (SF >= 2**-9 or 0) is finite.
+_NVFP4_FAST_SCALE = tl.constexpr(float(2**118))
 
 
 @triton.jit
-def row_offsets(HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr):
+def row_offsets(HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr,
+                WHOLE: tl.constexpr = False):  # fmt: skip
     """``(offs, mask)``: element offsets ``[BLOCK // GROUP, GROUP // VEC, VEC]`` within one row
     (row-major: ``offs[b, j, v] = b * GROUP + j * VEC + v``) and ``offs < HIDDEN``; the epilogue
     expects ``s`` in this shape.
@@ -104,12 +108,23 @@ def row_offsets(HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, 
     conversion through shared memory (with barriers) per row. With contiguity VEC (16 bytes) on
     the last axis, every load and store of the row shares one layout; a quantization block's
     amax is then a reduction over the last two axes (in-thread, then a warp shuffle).
+
+    ``WHOLE`` (nvfp4): the first two axes swapped, ``offs[j, b, v]``: the layout Triton derives then
+    puts a whole quantization block (two 16-byte slices) in one thread, so a block's amax, scale
+    and packed codes need no shuffle and no lane computes another lane's block scale.
     """
-    offs = (
-        tl.arange(0, BLOCK // GROUP)[:, None, None] * GROUP
-        + tl.arange(0, GROUP // VEC)[None, :, None] * VEC
-        + tl.arange(0, VEC)[None, None, :]
-    )
+    if WHOLE:  # [GROUP // VEC, BLOCK // GROUP, VEC]: Triton then gives each thread whole blocks
+        offs = (
+            tl.arange(0, GROUP // VEC)[:, None, None] * VEC
+            + tl.arange(0, BLOCK // GROUP)[None, :, None] * GROUP
+            + tl.arange(0, VEC)[None, None, :]
+        )
+    else:
+        offs = (
+            tl.arange(0, BLOCK // GROUP)[:, None, None] * GROUP
+            + tl.arange(0, GROUP // VEC)[None, :, None] * VEC
+            + tl.arange(0, VEC)[None, None, :]
+        )
     return offs, offs < HIDDEN
 
 
@@ -124,6 +139,12 @@ def _swizzled_offset(row, blk, KP: tl.constexpr):
         + ((row % 128) // 32) * 4
         + blk % 4
     )
+
+
+@triton.jit
+def _max_abs_nan(a, b):
+    """max(|a|, |b|), NaN if either is NaN (``max.NaN.f32``; abs is a free operand modifier)."""
+    return tl.maximum(tl.abs(a), tl.abs(b), propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -165,7 +186,7 @@ def norm_quant_epilogue(
     """Steps 2-4 of the contract for one row, from its reduced sum ``s``; writes every output.
 
     Args:
-        s: fp32 ``[BLOCK // GROUP, GROUP // VEC, VEC]`` in :func:`row_offsets` order: the reduced
+        s: fp32 in :func:`row_offsets` order (``WHOLE = QUANT == 3``): the reduced
             row, already rounded to the dtype ``D`` (``fp32(D(sum))``); lanes ``>= HIDDEN`` are
             ignored.
         row: the row index ``t`` (int32 or int64 scalar), ``0 <= t < T``.
@@ -199,7 +220,9 @@ def norm_quant_epilogue(
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     NB: tl.constexpr = BLOCK // GROUP
     blk = tl.arange(0, NB)
-    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
+    WHOLE: tl.constexpr = QUANT == 3
+    SAX: tl.constexpr = 0 if WHOLE else 1  # the axis of a block's 16-byte slices
+    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, WHOLE)
     row64 = row.to(tl.int64)
 
     # Every load first: the weight and the scale leave the critical path of the reductions.
@@ -220,7 +243,7 @@ def norm_quant_epilogue(
     hf = to_fp32(h, SOFT)
 
     # Step 3: y, with a correctly rounded mean, square root and reciprocal.
-    mean_sq = tl.div_rn(tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=1), axis=0), HIDDEN * 1.0)
+    mean_sq = tl.div_rn(tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=SAX), axis=0), HIDDEN * 1.0)
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
     n = hf * inv_rms
     if ROUND_BEFORE_WEIGHT:
@@ -240,17 +263,27 @@ def norm_quant_epilogue(
         tl.store(q_ptr + base + offs, e4m3_bits(tl.div_rn(yf, tok_scale), SOFT_FP8), mask=mask)
         tl.store(sf_ptr + row64, tok_scale)
     elif QUANT == 3:  # nvfp4: SF = e4m3(gs * (amax16 * fp32(1/6))), q = e2m1(y * (gs / SF))
-        sf_code = e4m3_bits(scale * (abs_max(abs_max(yf, 2), 1) * _INV_E2M1_MAX), SOFT_FP8)
-        sf = e4m3_decode(sf_code)
+        # A float amax is abs_max's value up to the NaN payload, which no later step reads.
+        amax = tl.reduce(tl.reduce(yf, 2, _max_abs_nan), SAX, _max_abs_nan)
+        sf_code = e4m3_bits(scale * (amax * _INV_E2M1_MAX), SOFT_FP8)
+        if SOFT_FP8:
+            sf = e4m3_decode(sf_code)
+        else:  # exact in hardware (e4m3 -> f16 -> f32); the sign bit dropped as e4m3_decode does
+            sf = (sf_code & 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         enc = tl.where(sf == 0.0, 0.0, tl.div_rn(scale, tl.where(sf == 0.0, 1.0, sf)))
-        codes = tl.reshape(e2m1_code(yf * enc[:, None, None]), [NB, GROUP // VEC, VEC // 2, 2])
-        lo, hi = tl.split(codes)
-        poffs = (
-            blk[:, None, None] * (GROUP // 2)
-            + tl.arange(0, GROUP // VEC)[None, :, None] * (VEC // 2)
-            + tl.arange(0, VEC // 2)[None, None, :]
-        )
-        tl.store(q_ptr + row64 * (HIDDEN // 2) + poffs, lo | (hi << 4), mask=poffs < HIDDEN // 2)
+        v = yf * enc[None, :, None]  # WHOLE: [GROUP // VEC, NB, VEC]
+        if tl.abs(scale) < _NVFP4_FAST_SCALE:  # enc finite: a NaN v only in a NaN block (zeroed below)
+            codes = e2m1_code_fma(v)
+        else:
+            codes = e2m1_code(v).to(tl.int32)
+        # The VEC codes of a 16-byte slice as one word, nibble i = element i (no byte permutes).
+        words = tl.sum(codes << (tl.arange(0, VEC) * 4)[None, None, :], axis=2)
+        words = tl.where((enc != enc)[None, :], 0, words)
+        WORD: tl.constexpr = tl.int32 if VEC == 8 else tl.int16
+        woffs = blk[None, :] * (GROUP // VEC) + tl.arange(0, GROUP // VEC)[:, None]
+        wptr = (q_ptr + row64 * (HIDDEN // 2)).to(tl.pointer_type(WORD))
+        # Non-contiguous on purpose: stores from the reduction's own layout, no conversion.
+        tl.store(wptr + tl.max_contiguous(woffs, [1, 1]), words.to(WORD), mask=woffs < HIDDEN // VEC)
         _store_block_scales(sf_ptr, sf_code, row64, blk, HIDDEN // GROUP, SWIZZLED)
     elif QUANT == 4:  # mxfp8: e = ue8m0_round_up(amax32 * fp32(1/448)), q = e4m3(y * 2**(127 - e))
         e = ue8m0_round_up(abs_max(abs_max(yf, 2), 1) * _INV_E4M3_MAX)
@@ -299,7 +332,7 @@ def fused_add_rmsnorm_quant_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if row < n_rows:
-        offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
+        offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
         row64 = row.to(tl.int64)
         # Step 1: s. Exact mode sums the gathered partials in fp32 from rank 0 up, one rounding to D.
         acc = to_fp32(tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0), SOFT)

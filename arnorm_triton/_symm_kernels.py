@@ -191,7 +191,7 @@ def symm_allreduce_norm_kernel(
                 zero_padding_rows(sf_ptr, b - n_main, n_rows, HIDDEN, BLOCK, GROUP)
             return
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
-    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC)
+    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
     e = tl.load(epochs_ptr + b).to(tl.uint32, bitcast=True) + 1
     # This rank's first row, loaded before any wait (it is this rank's own data either way): it
     # is published from registers and summed from registers.

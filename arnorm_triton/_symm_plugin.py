@@ -37,13 +37,15 @@ DEFAULT_ONESHOT_MAX_TOKENS = 128
 DEFAULT_SPIN_LIMIT = 1 << 27
 
 #: The ``triton`` backend's declaration, narrowed: GPUs only (symmetric memory has no CPU
-#: implementation), and 2 to 8 ranks of one node.
+#: implementation), 2 to 8 ranks of one node, and a residual always read (the symmetric kernels
+#: do not specialize on ``add_residual``; such ops hand them rows of a ``-0.0`` buffer).
 CAPABILITIES = Capabilities(
     **{
         **TRITON_CAPABILITIES.model_dump(),
         "platforms": frozenset({"cuda", "rocm"}),
         "world_sizes": frozenset(range(2, MAX_WORLD_SIZE + 1)),
         "min_world_size": 2,
+        "residual_free": False,
     }
 )
 

@@ -100,7 +100,10 @@ def _local_backend(
     dtype = getattr(torch, problem.dtype)
     lay = plan_layout(world=world, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
                       max_tokens=problem.max_tokens, max_bytes=1 << 40, oneshot_max=oneshot_max)  # fmt: skip
-    ws = emulated(lay, dtype, "cuda")[0]
+    # Every rank's buffer stays alive with the backend: rank 0 writes flags (and two-shot sums)
+    # into its peers' buffers, and a freed one would be memory reused by other tensors.
+    peers = emulated(lay, dtype, "cuda")
+    ws = peers[0]
     if world > 1 and ready_peers:
         # Rank 0 of a world whose peers are always ahead: their flags in rank 0's buffer hold an
         # epoch 2**30 calls ahead, so every wait is met at its first poll while the kernel still
@@ -110,9 +113,11 @@ def _local_backend(
         flags = ws.buffer[: KINDS * slots * world * 4].view(torch.int32).view(KINDS, slots, world)
         flags[:, :, 1:] = 1 << 30
     settings = {"max_bytes": 1 << 40, "oneshot_max_tokens": oneshot_max, "spin_limit": spin_limit}
-    return TritonSymmBackend(
+    backend = TritonSymmBackend(
         problem, Comm(None, torch.device("cuda", torch.cuda.current_device())), ws, settings
     )
+    backend._emulated_peers = peers  # type: ignore[attr-defined]
+    return backend
 
 
 def _slots(world: int) -> int:

@@ -375,7 +375,8 @@ def test_bounded_wait_records_a_timeout():
 
 
 def test_close_frees_the_workspace():
-    """close() releases the symmetric buffer; create/close cycles do not leak."""
+    """close() releases the symmetric buffer; create/close cycles do not leak. The memory figure is
+    device-wide, so the GPU round runs this test alone (other processes on the GPU move it)."""
     _run(2, rank_close)
 
 
@@ -385,5 +386,5 @@ class TestTritonSymmConformance(ConformanceSuite):
 
     backend = "triton_symm"
     world_sizes = (2, 4)
-    require = bool(os.environ.get("ARNORM_REQUIRE_TRITON_SYMM"))
+    require = bool(os.environ.get("REQUIRE_TRITON_SYMM"))
     timeout = 600.0

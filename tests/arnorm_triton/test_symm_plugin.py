@@ -42,6 +42,26 @@ def test_registered_between_aiter_and_triton():
     assert known == ["flashinfer", "aiter", "triton_symm", "triton", "reference"]
 
 
+def test_residual_free_ops_get_a_zero_residual():
+    """The symmetric kernels always read a residual (an add_residual=False conformance case raised
+    AttributeError on the H200 when the declaration was inherited from triton's), so triton_symm
+    does not declare residual_free and the op wraps it in ZeroResidual's -0.0 rows."""
+    from arnorm._call import ZeroResidual, with_zero_residual
+
+    assert CAPABILITIES.residual_free is False
+    seen = []
+
+    def symm(x, residual, weight, scale):
+        seen.append(residual)
+        return x.stride(0) + residual.stride(0)
+
+    problem = types.SimpleNamespace(hidden_size=H, dtype="bfloat16")
+    (wrapped,) = with_zero_residual([symm], [CAPABILITIES.residual_free], [-1, 0, 0, 0, 0], problem, "cpu")
+    assert isinstance(wrapped, ZeroResidual)
+    wrapped(torch.ones(3, H, dtype=torch.bfloat16), None, None, None)
+    assert seen[0].shape == (3, H) and bool((seen[0] == 0).all()) and bool(seen[0].signbit().all())
+
+
 def test_settings_defaults_and_variables(clean_env):
     """ARNORM_TRITON_SYMM_MAX_BYTES / _ONESHOT_MAX_TOKENS / _SPIN_LIMIT are read; bad values name
     the variable."""
