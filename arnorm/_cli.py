@@ -235,6 +235,15 @@ def _model_demo(args: argparse.Namespace) -> int:
 
     check_backend_names(args.backend)
     device = pick_device(args.device, args.tp)
+    gpus = _gpu_count() if device == "cuda" else args.tp
+    if gpus < args.tp:
+        # Hugging Face's own tensor parallelism (DTensor collectives over gloo) crashed with two
+        # ranks sharing one H200 (2026-12-03), in the unfused model, before arnorm was involved.
+        raise UsageError(
+            f"--device cuda: {gpus} GPU(s) visible for --tp {args.tp} (needs one GPU per rank with "
+            "--model: transformers' tensor parallelism does not run ranks that share a GPU); "
+            f"use --tp {gpus} or --device cpu"
+        )
     return int(
         run_model_demo(
             args.model,
@@ -245,6 +254,12 @@ def _model_demo(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens or 16,
         )
     )
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

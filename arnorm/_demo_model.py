@@ -75,6 +75,9 @@ def _rank_main(rank: int, world: int, folder: str, opts: dict[str, Any]) -> dict
     ids = ((torch.arange(batch * seq).view(batch, seq) * 7 + 3) % SIZES["vocab_size"]).to(device)
     single = _load(folder, torch.float32, None).to(device)
     model = _load(folder, dtype, world)
+    if world == 1 and next(model.parameters()).device != device:
+        # transformers places a TP model on the accelerator only when it shards it (tp_size > 1).
+        model = model.to(device)
     outputs: list[Any] = []
     for layer in model.model.layers:
         layer.register_forward_hook(lambda mod, args, out: outputs.append(out.detach().clone()))

@@ -330,6 +330,26 @@ def test_demo_model_calls_the_model_demo_with_the_options(monkeypatch):
     assert calls == [("gemma3", 2, "cpu", {"dtype": "float32", "backend": None, "max_tokens": 4})]
 
 
+@pytest.mark.skipif(
+    not (HAS_MODEL_DEMO and HAS_MODEL_DEPS),
+    reason="needs arnorm._demo_model and pip install 'arnorm[transformers]'",
+)
+def test_demo_model_refuses_ranks_sharing_a_gpu(monkeypatch, capsys):
+    """--model --device cuda with fewer GPUs than --tp ends with one line naming the fix (the
+    unfused Hugging Face TP model crashed with two ranks on one H200), before spawning anything."""
+    import arnorm._cli as cli
+    import arnorm._demo as demo
+
+    monkeypatch.setattr(demo, "pick_device", lambda device, tp: "cuda")
+    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
+    assert main(["demo", "--model", "llama", "--tp", "2", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "arnorm demo: error: --device cuda: 1 GPU(s) visible for --tp 2 (needs one GPU per rank with "
+        "--model: transformers' tensor parallelism does not run ranks that share a GPU); use --tp 1 "
+        "or --device cpu\n"
+    )
+
+
 def test_demo_model_without_the_module_is_a_usage_error(monkeypatch, capsys):
     """Where arnorm._demo_model is missing, --model ends with one line and exit 2."""
     monkeypatch.setitem(sys.modules, "arnorm._demo_model", None)  # import raises ModuleNotFoundError
