@@ -92,7 +92,9 @@ def _rank_main(rank: int, world: int, folder: str, opts: dict[str, Any]) -> dict
         unfused_layers, outputs[:] = list(outputs), []
         unfused_tokens = greedy(model)
         try:
-            handle = fuse(model, dist.group.WORLD, max_tokens=batch * seq, backend=opts["backend"])
+            # At TP 1 transformers does not shard, and fuse() takes such a model with arnorm.LOCAL.
+            group = arnorm.LOCAL if world == 1 else dist.group.WORLD
+            handle = fuse(model, group, max_tokens=batch * seq, backend=opts["backend"])
         except arnorm.SelectionError as exc:  # raised alike on every rank: rank 0's message is the story
             return {"selection_error": f"{type(exc).__name__}: {exc}"}
         outputs.clear()

@@ -24,6 +24,15 @@ def test_gemma3_demo_at_tp2_prints_sites_and_agrees(capsys):
     assert out[-1].endswith("-> OK")
 
 
+@pytest.mark.slow
+def test_llama_demo_at_tp1_fuses_the_unsharded_model(capsys):
+    """TP 1 (transformers does not shard at tp_size 1): the demo fuses with arnorm.LOCAL and
+    exits 0 (it raised 'not sharded' for every site until 2026-12-03)."""
+    assert run_model_demo("llama", 1, "cpu", dtype="bfloat16", max_tokens=4) == 0
+    out = capsys.readouterr().out
+    assert "TP=1 on CPU" in out and out.rstrip().endswith("-> OK")
+
+
 def test_unknown_model_is_exit_2(capsys):
     """A model name the demo does not build ends with one line naming the choices, exit 2."""
     assert run_model_demo("gpt2", 2, "cpu") == 2
