@@ -1,6 +1,12 @@
 """NVFP4 lab (issue 14, item 3): candidate rewrites of the nvfp4 part of the fused kernel, kept out
 of ``arnorm_triton`` until one wins on the H200 (``benchmarks/gpu_nvfp4_round.sh``).
 
+``own_f`` won on 2026-12-03 (0.86-0.94 of copy bandwidth against production's 0.74-0.79,
+``benchmarks/results/nvfp4-lab-2026-12-03-NVIDIA-H200.md``) and is now the production nvfp4 path
+(``row_offsets(..., WHOLE=True)``, ``e2m1_code_fma``, packed words). "production" below means the
+kernel before that port; the lab's ``launch_production`` now runs the ported kernel, so the
+``same_*`` variants' normed outputs may differ from it by 1 ulp, as ``own_f``'s did before.
+
 Offline SASS of the production kernel (H = 4096, bf16, 8 warps, ptxas SM 9.0): 699 instructions
 per thread on the row path (fp8_static: 454), i.e. 44 thread instructions per element against
 28; at 16 elements per thread the nvfp4 part is about 17 per element for the e2m1 codes (integer

@@ -140,12 +140,12 @@ def _params() -> list:
 
 @pytest.mark.parametrize(("variant", "case"), _params())
 def test_lab_variant_matches_production(variant: str, case: tuple) -> None:
-    """Residual, normed output, codes and block scales equal the production kernel's bit for bit
-    (whole-block-layout variants: normed within 1 ulp, the quantized output then equal to
-    arnorm.quant of their own normed output), for ordinary, huge, infinite and zero scales."""
+    """Residual bitwise the production kernel's; normed within 1 ulp of it (production took own_f's
+    whole-block layout on 2026-12-03, and the two layouts associate the sum of squares
+    differently); codes and block scales bitwise arnorm.quant of the variant's own normed output,
+    and bitwise production's wherever normed is; for ordinary, huge, infinite and zero scales."""
     t, h, swizzled, normed, offset = case
     x, r, w = _inputs(t, h, seed=t * 1000 + h)
-    own = lab.VARIANTS[variant]["OWN"]
     for gs in SCALES:
         scale = torch.tensor([gs], device=DEVICE)
         warps = 2
@@ -155,18 +155,14 @@ def test_lab_variant_matches_production(variant: str, case: tuple) -> None:
         got = _run(functools_partial(lab.launch_lab, variant), x, r, w, scale, normed=True, swizzled=swizzled,
                    weight_offset=offset, num_warps=warps)  # fmt: skip
         assert _same(got[0], ref[0]), "residual"
-        if not own:
-            for name, a, b in zip(("normed", "codes", "scales"), got[1:], ref[1:], strict=True):
-                assert _same(a, b), f"{name} differs at scale {gs}"
-        else:
-            ulp = (got[1].view(torch.int16).int() - ref[1].view(torch.int16).int()).abs()
-            assert int(ulp[~torch.isnan(ref[1].float())].max()) <= 1, "normed"
-            if gs == 336.0:
-                qa = quantize(got[1], "nvfp4", scale=scale, layout="swizzled_128x4" if swizzled else "linear")
-                assert torch.equal(got[2], qa.data), "codes vs arnorm.quant"
-                assert torch.equal(got[3], qa.scale.view(torch.uint8)), "scales vs arnorm.quant"
-            elif _same(got[1], ref[1]):
-                assert torch.equal(got[2], ref[2]) and torch.equal(got[3], ref[3]), f"quantized at scale {gs}"
+        ulp = (got[1].view(torch.int16).int() - ref[1].view(torch.int16).int()).abs()
+        assert int(ulp[~torch.isnan(ref[1].float())].max()) <= 1, "normed"
+        if gs == 336.0:
+            qa = quantize(got[1], "nvfp4", scale=scale, layout="swizzled_128x4" if swizzled else "linear")
+            assert torch.equal(got[2], qa.data), "codes vs arnorm.quant"
+            assert torch.equal(got[3], qa.scale.view(torch.uint8)), "scales vs arnorm.quant"
+        if _same(got[1], ref[1]):
+            assert torch.equal(got[2], ref[2]) and torch.equal(got[3], ref[3]), f"quantized at scale {gs}"
         if not normed:  # the variant without the normed output writes the same codes
             got2 = _run(functools_partial(lab.launch_lab, variant), x, r, w, scale, normed=False,
                         swizzled=swizzled,
