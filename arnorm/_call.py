@@ -126,11 +126,19 @@ def no_backend(num_tokens: int) -> Exception:
 
 
 def agree_call(
-    comm: Any, rules: CallRules, seq: int, hidden_states: Any, residual: Any, weight: Any, scale: Any
+    comm: Any,
+    rules: CallRules,
+    seq: int,
+    hidden_states: Any,
+    residual: Any,
+    weight: Any,
+    scale: Any,
+    check_out: Callable[..., None] | None = None,
 ) -> None:
     """``ARNORM_CHECK_CALLS``: gather every rank's fingerprint of call number ``seq`` (shapes, dtypes,
-    devices, whether a scale came, and the local verdict on the arguments) before the collective,
-    and raise the same error on every rank when they differ or any rank rejects its arguments."""
+    devices, whether a scale came, and the local verdict on the arguments, ``out=`` included through
+    ``check_out``) before the collective, and raise the same error on every rank when they differ
+    or any rank rejects its arguments."""
 
     def fingerprint(t: Any) -> Any:
         try:
@@ -140,6 +148,8 @@ def agree_call(
 
     try:
         check_call(rules, hidden_states, residual, weight, scale)
+        if check_out is not None:
+            check_out(hidden_states, residual, weight, scale)
         error = ""
     except Exception as exc:  # whatever it is, every rank must learn of it before the collective
         error = str(exc) if isinstance(exc, InvalidInputError) else f"{type(exc).__name__}: {exc}"
@@ -170,8 +180,11 @@ class ZeroResidual:
         self.impl = impl
         self._zeros = zeros
 
-    def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any) -> Output:
-        return self.impl(hidden_states, self._zeros[: hidden_states.shape[0]], weight, scale)
+    def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any, out: Any = None) -> Output:
+        zeros = self._zeros[: hidden_states.shape[0]]
+        if out is None:
+            return self.impl(hidden_states, zeros, weight, scale)
+        return self.impl(hidden_states, zeros, weight, scale, out)
 
     def close(self) -> None:
         self._zeros = self._zeros[:0]

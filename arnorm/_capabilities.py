@@ -39,6 +39,9 @@ class Capabilities(BaseModel):
       (``residual=None`` reaches it) itself. It never excludes a backend: for one that does not,
       arnorm passes rows of a ``-0.0`` buffer as the residual (``x + -0.0 == x`` bit for bit), at
       the cost of reading them.
+    - ``caller_outputs``: whether the backend's call takes a fifth argument ``out`` (an
+      :class:`arnorm.Output` of caller-owned buffers, checked by arnorm) and writes into it. It
+      never excludes a backend: for one that does not, arnorm copies its outputs into ``out``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -61,6 +64,7 @@ class Capabilities(BaseModel):
     round_before_weight: bool = False
     strided_rows: bool = False
     residual_free: bool = False
+    caller_outputs: bool = False
 
     def __hash__(self) -> int:
         return hash(tuple((k, _hashable(v)) for k, v in self))

@@ -16,6 +16,7 @@ from arnorm._custom_op import call_custom_op, register_handle, unregister_handle
 from arnorm._discovery import ArnormWarning, get_registry, plugin_failure
 from arnorm._errors import ArnormError, InvalidInputError
 from arnorm._explain import Explanation
+from arnorm._out import CopyInto, OutRules, OutTrust, check_out_inputs, copy_into, empty_output
 from arnorm._problem import Problem
 from arnorm._select import Preference, agree, agreement_facts, load_settings, select
 from arnorm._types import Output, RMSNorm
@@ -107,6 +108,7 @@ class AllReduceNorm:
         self._closed = True  # until construction succeeds, so close() stays safe
         self._chain: list[Any] = []
         self._table: list[Any] = []
+        self._into_table: list[Any] = []
         if not _building.acquire(blocking=False):
             msg = (
                 "AllReduceNorm: built from two threads at once "
@@ -171,6 +173,14 @@ class AllReduceNorm:
                 )
         self._explanation, self._chain = explanation, chain
         self._table = [None if i < 0 else chain[i] for i in plan.table]
+        into = [
+            impl if c.caller_outputs else CopyInto(impl, problem.inplace)
+            for impl, c in zip(chain, caps, strict=True)
+        ]
+        self._into_table = [None if i < 0 else into[i] for i in plan.table]
+        self._out_rules = OutRules(problem.hidden_size, getattr(torch, problem.dtype), dev, problem.quant,
+                                   problem.scale_layout, problem.normed_output, problem.inplace)  # fmt: skip
+        self._out_trust = OutTrust(self._out_rules)
         strided = all(c.strided_rows for c in caps)
         self._rules = CallRules(problem.hidden_size, problem.max_tokens, getattr(torch, problem.dtype),
                                 dev, problem.quant, needs_scale(problem.quant), problem.inplace,
@@ -209,6 +219,8 @@ class AllReduceNorm:
         residual: torch.Tensor | None,
         weight: torch.Tensor,
         scale: torch.Tensor | None = None,
+        *,
+        out: Output | None = None,
     ) -> Output:
         """Run one fused step; see the class docstring for the formula.
 
@@ -220,16 +232,30 @@ class AllReduceNorm:
             weight: ``[H]`` norm weight in the op's dtype (raw Gemma weight; the offset is added).
             scale: fp32 ``[1]`` on the op's device: the dequant scale (fp8_static) or the global
                 encode scale (nvfp4); ``None`` for the other formats.
+            out: caller-owned buffers for exactly ``T`` tokens, written instead of allocating
+                (:meth:`empty_output` makes one; an earlier call's result may be passed back). The
+                result holds ``out``'s tensors. Each is contiguous and shares no byte with another
+                or with the inputs; see docs/integrations.md ("Caller-provided outputs").
 
         One call at a time per op: a second, concurrent call from another thread raises.
         """
         if self._is_compiling():
-            return call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
+            result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
+            return result if out is None else copy_into(result, out, self._inplace)
         if self._check_calls:
             self._seq += 1
-            agree_call(self._comm, self._rules, self._seq, hidden_states, residual, weight, scale)
+            agree_call(
+                self._comm,
+                self._rules,
+                self._seq,
+                hidden_states,
+                residual,
+                weight,
+                scale,
+                self._out_check(out),
+            )
         if residual is None:
-            return self._call_without_residual(hidden_states, weight, scale)
+            return self._call_without_residual(hidden_states, weight, scale, out)
         if not self._in_call.acquire(False):
             raise InvalidInputError("op: called from two threads at once (needs one call at a time per op)")
         try:
@@ -241,7 +267,7 @@ class AllReduceNorm:
                 h = self._hidden
                 hp, rp, wp = hidden_states.data_ptr(), residual.data_ptr(), weight.data_ptr()
                 if hidden_states.is_contiguous() and residual.is_contiguous():
-                    hn = t * self._row_bytes
+                    hn = rn = t * self._row_bytes
                     ok = abs(hp - rp) >= hn
                 elif self._strided:
                     hst, rst = hidden_states.stride(), residual.stride()
@@ -303,12 +329,24 @@ class AllReduceNorm:
             impl = self._table[t]
             if impl is None:
                 raise self._closed_error() if self._closed else no_backend(t)
-            out = impl(hidden_states, residual, weight, scale)
-            return guard(out, hidden_states, residual, weight) if grad else out
+            if out is None:
+                result = impl(hidden_states, residual, weight, scale)
+            else:
+                spans = self._out_trust.spans(out, t)
+                if not ok or any(
+                    (a < hp + hn and hp < b) or (a < rp + rn and rp < b)
+                    or (a < wp + self._row_bytes and wp < b) or (scale is not None and a < sp + 4 and sp < b)
+                    for a, b in spans.ranges
+                ):  # fmt: skip
+                    check_out_inputs(
+                        spans, self._out_rules, self._inputs(hidden_states, residual, weight, scale)
+                    )
+                result = self._into_table[t](hidden_states, residual, weight, scale, out)
+            return guard(result, hidden_states, residual, weight) if grad else result
         finally:
             self._in_call.release()
 
-    def _call_without_residual(self, hidden_states: Any, weight: Any, scale: Any) -> Output:
+    def _call_without_residual(self, hidden_states: Any, weight: Any, scale: Any, out: Any) -> Output:
         # The rule of __call__'s fast test with no residual to place or compare (the same
         # property test covers both); the weight and scale parts are the same expressions.
         if not self._in_call.acquire(False):
@@ -366,10 +404,50 @@ class AllReduceNorm:
             impl = self._table[t]
             if impl is None:
                 raise self._closed_error() if self._closed else no_backend(t)
-            out = impl(hidden_states, None, weight, scale)
-            return guard(out, hidden_states, None, weight) if grad else out
+            if out is None:
+                result = impl(hidden_states, None, weight, scale)
+            else:
+                spans = self._out_trust.spans(out, t)
+                if not ok or any(
+                    (a < hp + hn and hp < b) or (a < wp + self._row_bytes and wp < b)
+                    or (scale is not None and a < sp + 4 and sp < b)
+                    for a, b in spans.ranges
+                ):  # fmt: skip
+                    check_out_inputs(spans, self._out_rules, self._inputs(hidden_states, None, weight, scale))
+                result = self._into_table[t](hidden_states, None, weight, scale, out)
+            return guard(result, hidden_states, None, weight) if grad else result
         finally:
             self._in_call.release()
+
+    @staticmethod
+    def _inputs(hidden_states: Any, residual: Any, weight: Any, scale: Any) -> tuple[tuple[str, Any], ...]:
+        return (
+            ("hidden_states", hidden_states),
+            ("residual", residual),
+            ("weight", weight),
+            ("scale", scale),
+        )
+
+    def _out_check(self, out: Any) -> Any:
+        """For ``ARNORM_CHECK_CALLS``: a function raising what ``out`` would raise, or ``None``."""
+        if out is None:
+            return None
+        rules = self._out_rules
+
+        def check(hidden_states: Any, residual: Any, weight: Any, scale: Any) -> None:
+            spans = self._out_trust.spans(out, hidden_states.shape[0])
+            check_out_inputs(spans, rules, self._inputs(hidden_states, residual, weight, scale))
+
+        return check
+
+    def empty_output(self, num_tokens: int, scale: torch.Tensor | None = None) -> Output:
+        """Uninitialized buffers for ``num_tokens`` tokens, to pass as ``out=`` (engines keeping buffers).
+
+        ``normed`` ``[T, H]`` when the op has a normed output; ``residual`` ``[T, H]`` when the op
+        is not in place, else ``None``; ``quant`` as :func:`arnorm.quant.empty_quantized` makes it
+        (``scale``: the fp32 ``[1]`` scale it records for fp8_static / nvfp4; out= ignores it).
+        """
+        return empty_output(self._out_rules, self._check_tokens_arg(num_tokens), scale)
 
     def _trust_weight(self, weight: Any, ptr: int) -> bool:
         # The weight of the last call is checked by identity alone next time (one op per layer);
@@ -459,6 +537,7 @@ class AllReduceNorm:
             return
         self._closed = True
         self._table[:] = [None] * len(self._table)
+        self._into_table[:] = [None] * len(self._into_table)
         unregister_handle(self._handle)
         chain, self._chain = self._chain, []
         for impl in chain:

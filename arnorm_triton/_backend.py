@@ -131,6 +131,8 @@ class TritonBackend:
         )
         self._alloc = plan.alloc
         self._output = plan.output
+        #: Whether the scales are the kernel's to write (not the caller's input scale).
+        self._own_scales = plan.kind in (2, 3, 4)
         self._launch = self._launcher.launch
         self.fast_launch = False
 
@@ -216,6 +218,7 @@ class TritonBackend:
         residual: torch.Tensor | None,
         weight: torch.Tensor,
         scale: torch.Tensor | None,
+        out: Output | None = None,
     ) -> Output:
         t = hidden_states.shape[0]
         hidden = self._hidden
@@ -230,7 +233,7 @@ class TritonBackend:
             if self._inplace:
                 h_out = hidden_states
             else:
-                h_out = hidden_states.new_empty(t, hidden)
+                h_out = self._fresh(hidden_states, out, t)
                 hs = hidden
         elif self._exact:
             assert self._gather is not None
@@ -242,7 +245,7 @@ class TritonBackend:
             if self._inplace:
                 h_out = hidden_states
             else:
-                h_out = hidden_states.new_empty(t, hidden)
+                h_out = self._fresh(hidden_states, out, t)
                 hs = hidden
         elif self._inplace and (t == 1 or xs == hidden):
             x = h_out = self._comm.all_reduce_(hidden_states)
@@ -250,13 +253,23 @@ class TritonBackend:
             # Reduce a contiguous copy (collectives take contiguous tensors, and the caller's
             # partial stays untouched when not in place); the kernel reads s from it and writes
             # h to hidden_states (in place) or into the copy itself, element by element.
-            x = self._comm.all_reduce_(hidden_states.new_empty(t, hidden).copy_(hidden_states))
+            x = self._comm.all_reduce_(self._fresh(hidden_states, out, t).copy_(hidden_states))
             h_out = hidden_states if self._inplace else x
             xs = hidden
             hs = hs if self._inplace else hidden
-        y, q, sf = self._alloc(t)
+        if out is None:
+            y, q, sf = self._alloc(t)
+        else:
+            y, oq = out.normed, out.quant
+            q, sf = (None, None) if oq is None else (oq.data, oq.scale if self._own_scales else None)
         self._launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs)
         return self._output(y, h_out, q, sf, scale)
+
+    def _fresh(self, hidden_states: torch.Tensor, out: Output | None, t: int) -> torch.Tensor:
+        """Where a not-in-place residual goes: ``out.residual`` (checked by arnorm), else a new tensor."""
+        if out is not None and not self._inplace:
+            return out.residual
+        return hidden_states.new_empty(t, self._hidden)
 
     def close(self) -> None:
         """Drop the gather buffer (idempotent; nothing else is held)."""

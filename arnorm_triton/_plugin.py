@@ -26,6 +26,7 @@ CAPABILITIES = Capabilities(
     round_before_weight=True,
     strided_rows=True,
     residual_free=True,
+    caller_outputs=True,
 )
 
 

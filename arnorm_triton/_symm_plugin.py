@@ -46,6 +46,8 @@ CAPABILITIES = Capabilities(
         "world_sizes": frozenset(range(2, MAX_WORLD_SIZE + 1)),
         "min_world_size": 2,
         "residual_free": False,
+        # Caller-provided outputs reach it through arnorm's copy (its call allocates its own).
+        "caller_outputs": False,
     }
 )
 

@@ -305,6 +305,10 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
             args_ = (x, inp.r, inp.w, inp.scale)
             path = f"arnorm.AllReduceNorm ({op.backend})"
             record(rows, errors, where, P(dev.eager_us, P(op, *args_), args.iters), **key, path=path)
+            out = op.empty_output(1, inp.scale)
+            path = f"arnorm.AllReduceNorm out= ({op.backend})"
+            timer = P(dev.eager_us, P(op, *args_, out=out), args.iters)
+            record(rows, errors, where + " out=", timer, **key, path=path)
             impl = getattr(op, "_table", [None, None])[1]  # the selected backend (private: a breakdown)
             if impl is not None:
                 timer = P(dev.eager_us, P(impl, *args_), args.iters)
@@ -317,6 +321,11 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
                     record(
                         rows, errors, where + " launcher", P(dev.eager_us, call, args.iters), **key, path=path
                     )
+                    c_call = prebuilt_launch(launcher, (x, inp.r, inp.w, inp.scale, x, y, q, sf), h)
+                    if c_call is not None:
+                        path = "    its C launch alone (arguments prebuilt)"
+                        timer = P(dev.eager_us, c_call, args.iters)
+                        record(rows, errors, where + " c launch", timer, **key, path=path)
             empty = P(torch.empty, (1, h), dtype=torch.bfloat16, device=dev.device)
             path = "  one torch.empty((1, H))"
             record(rows, errors, where + " empty", P(dev.eager_us, empty, args.iters), **key, path=path)
@@ -329,6 +338,21 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
                     timer = P(dev.eager_us, call, args.iters)
                     record(rows, errors, f"{where} fi alloc={alloc}", timer, **key, path=path)
             op.close()
+
+
+def prebuilt_launch(launcher: Any, tensors: tuple[Any, ...], h: int) -> Callable[[], Any] | None:
+    """The bound C launcher called with every argument already built (private: where the
+    launcher's time goes); ``None`` without a direct launch."""
+    if not getattr(launcher, "fast", False):
+        return None
+    run, grid, function, mid = launcher._entry(1)
+    if run is None:
+        return None
+    base = tensors[4]
+    ptrs = [(base if t is None else t).data_ptr() for t in tensors]
+    stream = launcher._get_stream(launcher._device_index)
+    full = (grid, 1, 1, stream, function, *mid, *ptrs, 1, h, h, h, *launcher._tail)
+    return functools.partial(run, *full)
 
 
 def graph_section(args: argparse.Namespace, dev: Any, fi: Any, bw: float, report: dict) -> None:

@@ -55,7 +55,7 @@ SEL=(-m "not multigpu and not slow")
 python3 -m pytest --collect-only -q -p no:cacheprovider "${SEL[@]}" tests/arnorm_triton 2>/dev/null \
   | grep '::' > /tmp/test-ids.txt
 NIDS=$(wc -l < /tmp/test-ids.txt)
-SHARDS=6
+SHARDS=${SHARDS:-6}
 CHUNK=$(( (NIDS + SHARDS - 1) / SHARDS ))
 for i in $(seq 0 $((SHARDS - 1))); do
   # Contiguous chunks: a kernel variant's parametrized tests stay together, so each is compiled once.

@@ -308,3 +308,45 @@ def without_residual(rank: int, world: int, backend: str | None):
         same = torch.equal(out.residual.view(torch.int16), h.view(torch.int16))
         wrapped = isinstance(op._table[5], ZeroResidual)
         return op.backend, same, torch.equal(out.normed.view(torch.int16), y.view(torch.int16)), wrapped
+
+
+def caller_outputs(rank: int, world: int, backend: str):
+    """out= at TP ``world`` for every format: bitwise the allocating call, written into ``out``'s
+    tensors; under ARNORM_CHECK_CALLS a bad ``out`` on rank 1 alone is rejected on every rank."""
+    import os
+
+    hidden, t = 32, 3
+    results = []
+    for quant in (None, "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"):
+        partials, residual, weight = make_inputs(rank, world, t, hidden, torch.bfloat16)
+        scale = torch.tensor([0.05]) if quant in ("fp8_static", "nvfp4") else None
+        with arnorm.AllReduceNorm(
+            torch.distributed.group.WORLD, hidden_size=hidden, dtype=torch.bfloat16,
+            norm=arnorm.RMSNorm(1e-6), quant=quant, backend=backend, max_tokens=8,
+        ) as op:  # fmt: skip
+            a = op(partials[rank].clone(), residual, weight, scale)
+            out = op.empty_output(t, scale)
+            b = op(partials[rank].clone(), residual, weight, scale, out=out)
+            same = torch.equal(a.residual, b.residual) and torch.equal(a.normed, b.normed)
+            if quant is not None:
+                same = same and torch.equal(a.quant.data.view(torch.uint8), b.quant.data.view(torch.uint8))
+                same = same and torch.equal(a.quant.scale.view(torch.uint8), b.quant.scale.view(torch.uint8))
+            results.append((quant, same, b.normed is out.normed))
+    os.environ["ARNORM_CHECK_CALLS"] = "1"
+    partials, residual, weight = make_inputs(rank, world, t, hidden, torch.float32)
+    with arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD, hidden_size=hidden, dtype=torch.float32,
+        norm=arnorm.RMSNorm(1e-6), backend=backend, max_tokens=8,
+    ) as op:  # fmt: skip
+        bad = op.empty_output(t + 1 if rank == 1 else t)
+        try:
+            op(partials[rank].clone(), residual, weight, out=bad)
+            message = "no error"
+        except arnorm.InvalidInputError as exc:
+            message = str(exc)
+        good = op(partials[rank].clone(), residual, weight, out=op.empty_output(t))
+        plain = op(partials[rank].clone(), residual, weight)
+        results.append(
+            (message, torch.equal(good.residual, plain.residual) and torch.equal(good.normed, plain.normed))
+        )
+    return results
