@@ -234,8 +234,8 @@ class AllReduceNorm:
                 encode scale (nvfp4); ``None`` for the other formats.
             out: caller-owned buffers for exactly ``T`` tokens, written instead of allocating
                 (:meth:`empty_output` makes one; an earlier call's result may be passed back). The
-                result holds ``out``'s tensors. Each is contiguous and shares no byte with another
-                or with the inputs; see docs/integrations.md ("Caller-provided outputs").
+                result holds ``out``'s tensors. Each is contiguous, 16-byte aligned and shares no
+                byte with another or with the inputs (README, "Caller-provided outputs").
 
         One call at a time per op: a second, concurrent call from another thread raises.
         """
@@ -333,10 +333,12 @@ class AllReduceNorm:
                 result = impl(hidden_states, residual, weight, scale)
             else:
                 spans = self._out_trust.spans(out, t)
-                if not ok or any(
-                    (a < hp + hn and hp < b) or (a < rp + rn and rp < b)
-                    or (a < wp + self._row_bytes and wp < b) or (scale is not None and a < sp + 4 and sp < b)
-                    for a, b in spans.ranges
+                lo, hi = spans[3], spans[4]
+                # Near an input, or the fast test failed: the exact test, raising on a real overlap.
+                if (
+                    not ok or (lo < hp + hn and hp < hi) or (lo < rp + rn and rp < hi)
+                    or (lo < wp + self._row_bytes and wp < hi)
+                    or (scale is not None and lo < sp + 4 and sp < hi)
                 ):  # fmt: skip
                     check_out_inputs(
                         spans, self._out_rules, self._inputs(hidden_states, residual, weight, scale)
@@ -408,10 +410,10 @@ class AllReduceNorm:
                 result = impl(hidden_states, None, weight, scale)
             else:
                 spans = self._out_trust.spans(out, t)
-                if not ok or any(
-                    (a < hp + hn and hp < b) or (a < wp + self._row_bytes and wp < b)
-                    or (scale is not None and a < sp + 4 and sp < b)
-                    for a, b in spans.ranges
+                lo, hi = spans[3], spans[4]
+                if (
+                    not ok or (lo < hp + hn and hp < hi) or (lo < wp + self._row_bytes and wp < hi)
+                    or (scale is not None and lo < sp + 4 and sp < hi)
                 ):  # fmt: skip
                     check_out_inputs(spans, self._out_rules, self._inputs(hidden_states, None, weight, scale))
                 result = self._into_table[t](hidden_states, None, weight, scale, out)

@@ -47,12 +47,15 @@ class OutRules:
 
 
 class Spans(NamedTuple):
-    """A checked ``out``'s destinations: ``(tensor, start, end)`` byte ranges, and their pointers."""
+    """A checked ``out`` for ``rows`` tokens: its destinations with the data pointers they had,
+    their ``[start, end)`` byte ranges, and the envelope ``[lo, hi)`` of those ranges (a call's
+    inputs that miss the envelope miss every destination: one test per input on the hot path)."""
 
-    tensors: tuple[Any, ...]
-    ptrs: tuple[int, ...]
-    ranges: tuple[tuple[int, int], ...]
     rows: int
+    pairs: tuple[tuple[Any, int], ...]
+    ranges: tuple[tuple[int, int], ...]
+    lo: int
+    hi: int
 
 
 def _dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...], Any]]:
@@ -146,7 +149,10 @@ def check_out(rules: OutRules, out: object, t: int) -> Spans:
                 raise InvalidInputError(f"{arg}: overlaps {other[0]} (needs a separate buffer)")
         tensors.append(d)
         ranges.append((start, end))
-    return Spans(tuple(tensors), tuple(r[0] for r in ranges), tuple(ranges), t)
+    pairs = tuple((d, r[0]) for d, r in zip(tensors, ranges, strict=True))
+    if not ranges:  # nothing to write besides the in-place residual: an empty envelope
+        return Spans(t, (), (), 0, 0)
+    return Spans(t, pairs, tuple(ranges), min(r[0] for r in ranges), max(r[1] for r in ranges))
 
 
 def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any], ...]) -> None:
@@ -177,13 +183,14 @@ class OutTrust:
 
     def spans(self, out: Any, t: int) -> Spans:
         """The checked spans of ``out`` for ``t`` tokens (checking it when it is new or changed)."""
+        # Hot path of every out= call: plain loops, no generators (each costs a frame).
         s = self.table.get(id(out))
-        if (
-            s is not None
-            and s.rows == t
-            and all(d.data_ptr() == p for d, p in zip(s.tensors, s.ptrs, strict=True))
-        ):
-            return s
+        if s is not None and s[0] == t:
+            for d, p in s[1]:
+                if d.data_ptr() != p:
+                    break
+            else:
+                return s
         s = check_out(self.rules, out, t)
         if len(self.held) >= OUT_TRUST_LIMIT:
             self.table.clear()
