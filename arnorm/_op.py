@@ -333,13 +333,23 @@ class AllReduceNorm:
                 result = impl(hidden_states, residual, weight, scale)
             else:
                 spans = self._out_trust.spans(out, t)
-                lo, hi = spans[3], spans[4]
-                # Near an input, or the fast test failed: the exact test, raising on a real overlap.
-                if (
-                    not ok or (lo < hp + hn and hp < hi) or (lo < rp + rn and rp < hi)
-                    or (lo < wp + self._row_bytes and wp < hi)
-                    or (scale is not None and lo < sp + 4 and sp < hi)
-                ):  # fmt: skip
+                bad = not ok
+                if ok:
+                    he, re_, we, se = (
+                        hp + hn,
+                        rp + rn,
+                        wp + self._row_bytes,
+                        sp + 4 if scale is not None else 0,
+                    )
+                    for a, b in spans[2]:
+                        if (
+                            (a < he and hp < b)
+                            or (a < re_ and rp < b)
+                            or (a < we and wp < b)
+                            or (a < se and sp < b)
+                        ):
+                            bad = True
+                if bad:  # the fast test failed or a destination meets an input: the message
                     check_out_inputs(
                         spans, self._out_rules, self._inputs(hidden_states, residual, weight, scale)
                     )
@@ -410,11 +420,13 @@ class AllReduceNorm:
                 result = impl(hidden_states, None, weight, scale)
             else:
                 spans = self._out_trust.spans(out, t)
-                lo, hi = spans[3], spans[4]
-                if (
-                    not ok or (lo < hp + hn and hp < hi) or (lo < wp + self._row_bytes and wp < hi)
-                    or (scale is not None and lo < sp + 4 and sp < hi)
-                ):  # fmt: skip
+                bad = not ok
+                if ok:
+                    he, we, se = hp + hn, wp + self._row_bytes, sp + 4 if scale is not None else 0
+                    for a, b in spans[2]:
+                        if (a < he and hp < b) or (a < we and wp < b) or (a < se and sp < b):
+                            bad = True
+                if bad:
                     check_out_inputs(spans, self._out_rules, self._inputs(hidden_states, None, weight, scale))
                 result = self._into_table[t](hidden_states, None, weight, scale, out)
             return guard(result, hidden_states, None, weight) if grad else result

@@ -47,15 +47,13 @@ class OutRules:
 
 
 class Spans(NamedTuple):
-    """A checked ``out`` for ``rows`` tokens: its destinations with the data pointers they had,
-    their ``[start, end)`` byte ranges, and the envelope ``[lo, hi)`` of those ranges (a call's
-    inputs that miss the envelope miss every destination: one test per input on the hot path)."""
+    """A checked ``out`` for ``rows`` tokens: its destinations with the data pointers they had, and
+    their ``[start, end)`` byte ranges (each tested against the call's inputs on every call: an
+    envelope of them would meet unrelated inputs that a caching allocator placed in between)."""
 
     rows: int
     pairs: tuple[tuple[Any, int], ...]
     ranges: tuple[tuple[int, int], ...]
-    lo: int
-    hi: int
 
 
 def _dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...], Any]]:
@@ -149,10 +147,7 @@ def check_out(rules: OutRules, out: object, t: int) -> Spans:
                 raise InvalidInputError(f"{arg}: overlaps {other[0]} (needs a separate buffer)")
         tensors.append(d)
         ranges.append((start, end))
-    pairs = tuple((d, r[0]) for d, r in zip(tensors, ranges, strict=True))
-    if not ranges:  # nothing to write besides the in-place residual: an empty envelope
-        return Spans(t, (), (), 0, 0)
-    return Spans(t, pairs, tuple(ranges), min(r[0] for r in ranges), max(r[1] for r in ranges))
+    return Spans(t, tuple((d, r[0]) for d, r in zip(tensors, ranges, strict=True)), tuple(ranges))
 
 
 def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any], ...]) -> None:
