@@ -4,9 +4,11 @@ against FlashInfer's single-GPU fused add + RMSNorm (+ fp8 quant), where importa
 Measured in one run, bf16, plain RMSNorm (FlashInfer's kernels are the plain norm):
 
 1. **Eager host time per call** at T = 1 (no CUDA graph: what an engine running eagerly pays per
-   layer): the public op, and a breakdown of where its time goes (the backend alone, the
-   launcher with outputs already allocated, one ``torch.empty``); FlashInfer with its output
-   preallocated (its API) and with a ``torch.empty`` of it per call.
+   layer): the public op, allocating and with caller-provided outputs (``out=``), and a
+   breakdown of where its time goes (the backend alone, the launcher with outputs already
+   allocated, the compiled kernel's C launcher alone with its arguments prebuilt, one
+   ``torch.empty``); FlashInfer with its output preallocated (its API) and with a
+   ``torch.empty`` of it per call.
 2. **CUDA-graph replay** of ``--calls`` back-to-back calls (launch gaps removed; median of
    ``--replays``, microseconds per call) for every T, H and format, with and without the normed
    output; programmatic dependent launch off for comparison at decode sizes.
