@@ -16,7 +16,15 @@ from arnorm._custom_op import call_custom_op, register_handle, unregister_handle
 from arnorm._discovery import ArnormWarning, get_registry, plugin_failure
 from arnorm._errors import ArnormError, InvalidInputError
 from arnorm._explain import Explanation
-from arnorm._out import CopyInto, OutRules, OutTrust, check_out_inputs, copy_into, empty_output
+from arnorm._out import (
+    CopyInto,
+    OutRules,
+    OutTrust,
+    check_out_inputs,
+    check_out_tensors,
+    copy_into,
+    empty_output,
+)
 from arnorm._problem import Problem
 from arnorm._select import Preference, agree, agreement_facts, load_settings, select
 from arnorm._types import Output, RMSNorm
@@ -240,6 +248,8 @@ class AllReduceNorm:
         One call at a time per op: a second, concurrent call from another thread raises.
         """
         if self._is_compiling():
+            if out is not None:  # fake tensors have no data pointers: everything else is checked
+                check_out_tensors(self._out_rules, out, hidden_states.shape[0])
             result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
             return result if out is None else copy_into(result, out, self._inplace)
         if self._check_calls:
@@ -332,28 +342,9 @@ class AllReduceNorm:
             if out is None:
                 result = impl(hidden_states, residual, weight, scale)
             else:
-                spans = self._out_trust.spans(out, t)
-                bad = not ok
-                if ok:
-                    he, re_, we, se = (
-                        hp + hn,
-                        rp + rn,
-                        wp + self._row_bytes,
-                        sp + 4 if scale is not None else 0,
-                    )
-                    for a, b in spans[2]:
-                        if (
-                            (a < he and hp < b)
-                            or (a < re_ and rp < b)
-                            or (a < we and wp < b)
-                            or (a < se and sp < b)
-                        ):
-                            bad = True
-                if bad:  # the fast test failed or a destination meets an input: the message
-                    check_out_inputs(
-                        spans, self._out_rules, self._inputs(hidden_states, residual, weight, scale)
-                    )
-                result = self._into_table[t](hidden_states, residual, weight, scale, out)
+                # The inputs' byte ranges the fast test computed, or None where it failed.
+                spans = (hp, hp + hn, rp, rp + rn, wp, sp if scale is not None else 0) if ok else None
+                result = self._into(out, t, spans, hidden_states, residual, weight, scale)
             return guard(result, hidden_states, residual, weight) if grad else result
         finally:
             self._in_call.release()
@@ -419,19 +410,28 @@ class AllReduceNorm:
             if out is None:
                 result = impl(hidden_states, None, weight, scale)
             else:
-                spans = self._out_trust.spans(out, t)
-                bad = not ok
-                if ok:
-                    he, we, se = hp + hn, wp + self._row_bytes, sp + 4 if scale is not None else 0
-                    for a, b in spans[2]:
-                        if (a < he and hp < b) or (a < we and wp < b) or (a < se and sp < b):
-                            bad = True
-                if bad:
-                    check_out_inputs(spans, self._out_rules, self._inputs(hidden_states, None, weight, scale))
-                result = self._into_table[t](hidden_states, None, weight, scale, out)
+                # No residual: its range is hidden_states' own, which is tested anyway.
+                spans = (hp, hp + hn, hp, hp + hn, wp, sp if scale is not None else 0) if ok else None
+                result = self._into(out, t, spans, hidden_states, None, weight, scale)
             return guard(result, hidden_states, None, weight) if grad else result
         finally:
             self._in_call.release()
+
+    def _into(self, out: Output, t: int, inputs: tuple[int, ...] | None, hidden_states: Any, residual: Any,
+              weight: Any, scale: Any) -> Output:  # fmt: skip
+        """The call with ``out=``: ``inputs`` are ``(h_start, h_end, r_start, r_end, w_start,
+        s_start)`` from the fast test (``None`` when it failed: the exact test then runs)."""
+        spans = self._out_trust.spans(out, t)
+        bad = inputs is None
+        if inputs is not None:
+            hp, he, rp, re_, wp, sp = inputs
+            we, se = wp + self._row_bytes, sp + 4 if scale is not None else 0
+            for a, b in spans[2]:
+                if (a < he and hp < b) or (a < re_ and rp < b) or (a < we and wp < b) or (a < se and sp < b):
+                    bad = True
+        if bad:  # the fast test failed or a destination meets an input: the exact test and its message
+            check_out_inputs(spans, self._out_rules, self._inputs(hidden_states, residual, weight, scale))
+        return self._into_table[t](hidden_states, residual, weight, scale, out)
 
     @staticmethod
     def _inputs(hidden_states: Any, residual: Any, weight: Any, scale: Any) -> tuple[tuple[str, Any], ...]:

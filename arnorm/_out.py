@@ -27,7 +27,16 @@ from arnorm._errors import InvalidInputError
 from arnorm._formats import FORMAT_SPECS
 from arnorm._types import Output, QuantizedActivation
 
-__all__ = ["CopyInto", "OutRules", "OutTrust", "Spans", "check_out", "empty_output"]
+__all__ = [
+    "CopyInto",
+    "OutRules",
+    "OutTrust",
+    "Spans",
+    "check_out",
+    "check_out_tensors",
+    "copy_into",
+    "empty_output",
+]
 
 #: Trusted ``out`` objects per op before the table starts over (bounded like weights).
 OUT_TRUST_LIMIT = 64
@@ -83,9 +92,11 @@ def _field(out: Output, field: str) -> Any:
     return getattr(out.quant, field)
 
 
-def check_out(rules: OutRules, out: object, t: int) -> Spans:
-    """Check ``out`` for ``t`` tokens on its own (not against the call's inputs); raise
-    :class:`InvalidInputError` for the first thing wrong, else return its :class:`Spans`."""
+def check_out_tensors(rules: OutRules, out: object, t: int) -> list[tuple[str, Any]]:
+    """Check ``out``'s structure and each destination's type, dtype, shape, device, layout and
+    autograd state for ``t`` tokens (no data pointers: a compiled call checks this much on fake
+    tensors); raise :class:`InvalidInputError` for the first thing wrong, else return
+    ``(argument, tensor)`` per destination."""
     import torch
 
     if not isinstance(out, Output):
@@ -111,8 +122,7 @@ def check_out(rules: OutRules, out: object, t: int) -> Spans:
             )
     if not rules.normed and out.normed is not None:
         raise InvalidInputError("out.normed: Tensor (needs None: the op was built with normed_output=False)")
-    tensors: list[Any] = []
-    ranges: list[tuple[int, int]] = []
+    dests = []
     for arg, field, shape, dtype in _dest_shapes(rules, t):
         d = _field(out, field)
         if not isinstance(d, torch.Tensor):
@@ -135,6 +145,17 @@ def check_out(rules: OutRules, out: object, t: int) -> Spans:
             raise InvalidInputError(
                 f"{arg}: requires grad (needs a buffer without autograd history: .detach())"
             )
+        dests.append((arg, d))
+    return dests
+
+
+def check_out(rules: OutRules, out: object, t: int) -> Spans:
+    """Check ``out`` for ``t`` tokens on its own (not against the call's inputs): its tensors
+    (:func:`check_out_tensors`), 16-byte alignment, and no two destinations sharing a byte; raise
+    :class:`InvalidInputError` for the first thing wrong, else return its :class:`Spans`."""
+    dests = check_out_tensors(rules, out, t)
+    ranges: list[tuple[int, int]] = []
+    for arg, d in dests:
         start = d.data_ptr()
         if start % 16:
             raise InvalidInputError(
@@ -142,12 +163,11 @@ def check_out(rules: OutRules, out: object, t: int) -> Spans:
                 "slice buffers at row boundaries of an aligned allocation)"
             )
         end = start + d.numel() * d.element_size()
-        for (a, b), other in zip(ranges, _dest_shapes(rules, t), strict=False):
+        for j, (a, b) in enumerate(ranges):
             if start < b and a < end:
-                raise InvalidInputError(f"{arg}: overlaps {other[0]} (needs a separate buffer)")
-        tensors.append(d)
+                raise InvalidInputError(f"{arg}: overlaps {dests[j][0]} (needs a separate buffer)")
         ranges.append((start, end))
-    return Spans(t, tuple((d, r[0]) for d, r in zip(tensors, ranges, strict=True)), tuple(ranges))
+    return Spans(t, tuple((d, r[0]) for (_, d), r in zip(dests, ranges, strict=True)), tuple(ranges))
 
 
 def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any], ...]) -> None:
@@ -236,7 +256,7 @@ class CopyInto:
 
 def copy_into(got: Output, out: Output, inplace: bool) -> Output:
     """``got``'s values in ``out``'s tensors, returned as the call's :class:`Output`."""
-    normed = residual = None
+    normed = None
     if got.normed is not None:
         normed = out.normed.copy_(got.normed)  # type: ignore[union-attr]
     residual = got.residual if inplace else out.residual.copy_(got.residual)

@@ -240,6 +240,24 @@ def test_compiled_call_with_out_writes_into_out(clean_env):
         assert torch.equal(out.residual, expect.residual)
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_call_rejects_a_bad_out(clean_env, fullgraph):
+    """torch.compile: an out whose dtype is wrong raises with arnorm's message instead of casting
+    into it (fullgraph=True wraps it in Dynamo's error; the message is arnorm's)."""
+    with make(inplace=False) as op:
+        x, r, w, _ = inputs(4)
+        bad = op.empty_output(4)._replace(normed=torch.empty(4, H))
+
+        def step(x, r, w, out):
+            return op(x, r, w, out=out).normed
+
+        with pytest.raises(
+            Exception, match=r"out.normed: dtype torch.float32 \(needs torch.bfloat16\)"
+        ) as info:
+            torch.compile(step, fullgraph=fullgraph, backend="aot_eager")(x.clone(), r, w, bad)
+        assert fullgraph or isinstance(info.value, arnorm.InvalidInputError)
+
+
 @pytest.mark.parametrize(("world", "backend"), [(2, "reference"), (2, "triton"), (4, "triton")])
 def test_out_at_tp(world, backend):
     """At TP 2 and 4, out= is bitwise the allocating call; a bad out on one rank is rejected on all
