@@ -1,6 +1,6 @@
 """Helpers of the per-call path: the inference-only guard, the checked-call mode, trust of weights.
 
-The hot path itself is ``AllReduceNorm.__call__``: one combined test of
+The hot path itself is ``AllReduceNorm.__call__`` (:mod:`arnorm._op_call`): one combined test of
 :class:`arnorm._validate.CallRules`, a list index that picks the backend for the token count, and
 the backend call. A weight or scale that passed the full check is trusted afterwards by identity
 and data pointer (a ``w.data = ...`` swap changes the pointer and is checked again).

@@ -9,26 +9,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from arnorm._args import build_problem, resolve_device
-from arnorm._call import Trust, agree_call, guard, no_backend, with_zero_residual
+from arnorm._call import Trust, no_backend, with_zero_residual
 from arnorm._comm import Comm
 from arnorm._config import Config, load_config
-from arnorm._custom_op import call_custom_op, register_handle, unregister_handle
+from arnorm._custom_op import register_handle, unregister_handle
 from arnorm._discovery import ArnormWarning, get_registry, plugin_failure
 from arnorm._errors import ArnormError, InvalidInputError
 from arnorm._explain import Explanation
-from arnorm._out import (
-    CopyInto,
-    OutRules,
-    OutTrust,
-    check_out_inputs,
-    check_out_tensors,
-    copy_into,
-    empty_output,
-)
+from arnorm._op_call import call, call_without_residual
+from arnorm._out import CopyInto, OutRules, OutTrust, empty_output
 from arnorm._problem import Problem
 from arnorm._select import Preference, agree, agreement_facts, load_settings, select
 from arnorm._types import Output, RMSNorm
-from arnorm._validate import CallRules, check_call, needs_scale
+from arnorm._validate import CallRules, needs_scale
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +42,27 @@ def _warn_unknown_names(pref: Preference, registry: Any) -> None:
                 valid = ", ".join(sorted(known))
                 msg = f"{source}: {name!r} is not a registered backend (needs one of {valid})"
                 warnings.warn(msg, ArnormWarning, stacklevel=5)
+
+
+def _fast_path(name: str, impl: Any) -> Any:
+    """The backend's optional ``fast_path()`` function, or ``None`` (absent, declined, or broken)."""
+    get = getattr(impl, "fast_path", None)
+    if get is None:
+        return None
+    try:
+        fn = get()
+    except Exception as exc:  # plugin code: a broken fast path costs speed, never the op
+        warnings.warn(
+            f"arnorm: {name}.fast_path() raised {plugin_failure(exc)}; its calls go through __call__",
+            ArnormWarning,
+            3,
+        )
+        return None
+    if fn is not None and not callable(fn):
+        msg = f"arnorm: {name}.fast_path() returned {type(fn).__name__} (needs a function or None)"
+        warnings.warn(msg, ArnormWarning, 3)
+        return None
+    return fn
 
 
 class AllReduceNorm:
@@ -117,6 +131,7 @@ class AllReduceNorm:
         self._chain: list[Any] = []
         self._table: list[Any] = []
         self._into_table: list[Any] = []
+        self._fast_table: list[Any] = []
         if not _building.acquire(blocking=False):
             msg = (
                 "AllReduceNorm: built from two threads at once "
@@ -186,6 +201,13 @@ class AllReduceNorm:
             for impl, c in zip(chain, caps, strict=True)
         ]
         self._into_table = [None if i < 0 else into[i] for i in plan.table]
+        # Fast paths are asked for once, and used only where the core calls the backend as it is
+        # (no CopyInto or ZeroResidual in between): their contract includes writing into out.
+        fast = [
+            _fast_path(name, impl) if impl is raw and c.caller_outputs else None
+            for name, impl, raw, c in zip(explanation.chain, chain, plan.chain, caps, strict=True)
+        ]
+        self._fast_table = [None if i < 0 else fast[i] for i in plan.table]
         self._out_rules = OutRules(problem.hidden_size, getattr(torch, problem.dtype), dev, problem.quant,
                                    problem.scale_layout, problem.normed_output, problem.inplace)  # fmt: skip
         self._out_trust = OutTrust(self._out_rules)
@@ -219,240 +241,10 @@ class AllReduceNorm:
         self._handle = register_handle(self)
         self._closed = False
 
-    # -- calls ------------------------------------------------------------------------------
+    # -- calls (arnorm._op_call) -------------------------------------------------------------
 
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        weight: torch.Tensor,
-        scale: torch.Tensor | None = None,
-        *,
-        out: Output | None = None,
-    ) -> Output:
-        """Run one fused step; see the class docstring for the formula.
-
-        Args:
-            hidden_states: ``[T, H]`` this rank's partial sum (becomes the new residual when the
-                op is in place). Rows may be strided when every backend of the op says so.
-            residual: ``[T, H]``, not modified; must not share memory with ``hidden_states``.
-                ``None`` exactly when the op was built with ``add_residual=False``.
-            weight: ``[H]`` norm weight in the op's dtype (raw Gemma weight; the offset is added).
-            scale: fp32 ``[1]`` on the op's device: the dequant scale (fp8_static) or the global
-                encode scale (nvfp4); ``None`` for the other formats.
-            out: caller-owned buffers for exactly ``T`` tokens, written instead of allocating
-                (:meth:`empty_output` makes one; an earlier call's result may be passed back). The
-                result holds ``out``'s tensors. Each is contiguous, 16-byte aligned and shares no
-                byte with another or with the inputs (README, "Caller-provided outputs").
-
-        One call at a time per op: a second, concurrent call from another thread raises.
-        """
-        if self._is_compiling():
-            if out is not None:  # fake tensors have no data pointers: everything else is checked
-                check_out_tensors(self._out_rules, out, hidden_states.shape[0])
-            result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
-            return result if out is None else copy_into(result, out, self._inplace)
-        if self._check_calls:
-            self._seq += 1
-            agree_call(
-                self._comm,
-                self._rules,
-                self._seq,
-                hidden_states,
-                residual,
-                weight,
-                scale,
-                self._out_check(out),
-            )
-        if residual is None:
-            return self._call_without_residual(hidden_states, weight, scale, out)
-        if not self._in_call.acquire(False):
-            raise InvalidInputError("op: called from two threads at once (needs one call at a time per op)")
-        try:
-            # One combined test of arnorm._validate's rule (that module says it in words, and
-            # check_call builds the message when this fails); a property test holds them equal.
-            try:
-                shape = hidden_states.shape
-                t = shape[0]
-                h = self._hidden
-                hp, rp, wp = hidden_states.data_ptr(), residual.data_ptr(), weight.data_ptr()
-                if hidden_states.is_contiguous() and residual.is_contiguous():
-                    hn = rn = t * self._row_bytes
-                    ok = abs(hp - rp) >= hn
-                elif self._strided:
-                    hst, rst = hidden_states.stride(), residual.stride()
-                    hn = ((t - 1) * hst[0] + h) * self._itemsize
-                    rn = ((t - 1) * rst[0] + h) * self._itemsize
-                    ok = (h == 1 or hst[1] == rst[1] == 1) and (t == 1 or (hst[0] >= h and rst[0] >= h))
-                    ok = ok and (hp >= rp + rn or rp >= hp + hn)
-                else:
-                    ok = False
-                dt = self._dtype
-                if self._on_cpu:  # is_cpu and get_device() both exclude meta tensors, and are cheap
-                    ok = ok and hidden_states.is_cpu and residual.is_cpu
-                else:
-                    ok = (
-                        ok
-                        and hidden_states.get_device() == self._index
-                        and residual.get_device() == self._index
-                    )
-                ok = (
-                    ok
-                    and self._add_residual
-                    and hidden_states.dtype is dt
-                    and residual.dtype is dt
-                    and len(shape) == 2
-                    and shape[1] == h
-                    and 0 < t <= self._max_tokens
-                    and residual.shape == shape
-                    and (
-                        (weight is self._last_weight and wp == self._last_wptr)
-                        or self._trusted_weights.get(id(weight)) == wp
-                        or self._trust_weight(weight, wp)
-                    )
-                    and (wp >= hp + hn or hp >= wp + self._row_bytes)
-                )
-                if scale is not None:
-                    sp = scale.data_ptr()
-                    ok = (
-                        ok
-                        and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
-                        and (sp >= hp + hn or hp >= sp + 4)
-                    )
-                elif self._scaled:
-                    ok = False
-                grad = (
-                    ok
-                    and self._grad_enabled()
-                    and (hidden_states.requires_grad or residual.requires_grad or weight.requires_grad)
-                )
-                if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
-                    ok = False
-            except (AttributeError, TypeError, IndexError, RuntimeError):
-                ok = grad = False
-            if not ok:
-                check_call(self._rules, hidden_states, residual, weight, scale)
-                grad = self._grad_enabled() and (
-                    hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
-                )
-                t = hidden_states.shape[0]
-            impl = self._table[t]
-            if impl is None:
-                raise self._closed_error() if self._closed else no_backend(t)
-            if out is None:
-                result = impl(hidden_states, residual, weight, scale)
-            else:
-                # The inputs' byte ranges the fast test computed, or None where it failed.
-                spans = (hp, hp + hn, rp, rp + rn, wp, sp if scale is not None else 0) if ok else None
-                result = self._into(out, t, spans, hidden_states, residual, weight, scale)
-            return guard(result, hidden_states, residual, weight) if grad else result
-        finally:
-            self._in_call.release()
-
-    def _call_without_residual(self, hidden_states: Any, weight: Any, scale: Any, out: Any) -> Output:
-        # The rule of __call__'s fast test with no residual to place or compare (the same
-        # property test covers both); the weight and scale parts are the same expressions.
-        if not self._in_call.acquire(False):
-            raise InvalidInputError("op: called from two threads at once (needs one call at a time per op)")
-        try:
-            try:
-                shape = hidden_states.shape
-                t = shape[0]
-                h = self._hidden
-                hp, wp = hidden_states.data_ptr(), weight.data_ptr()
-                if hidden_states.is_contiguous():
-                    hn = t * self._row_bytes
-                    ok = not self._add_residual
-                elif self._strided:
-                    hst = hidden_states.stride()
-                    hn = ((t - 1) * hst[0] + h) * self._itemsize
-                    ok = not self._add_residual and (h == 1 or hst[1] == 1) and (t == 1 or hst[0] >= h)
-                else:
-                    ok = False
-                if self._on_cpu:
-                    ok = ok and hidden_states.is_cpu
-                else:
-                    ok = ok and hidden_states.get_device() == self._index
-                ok = (
-                    ok
-                    and hidden_states.dtype is self._dtype
-                    and len(shape) == 2
-                    and shape[1] == h
-                    and 0 < t <= self._max_tokens
-                    and (
-                        (weight is self._last_weight and wp == self._last_wptr)
-                        or self._trusted_weights.get(id(weight)) == wp
-                        or self._trust_weight(weight, wp)
-                    )
-                    and (wp >= hp + hn or hp >= wp + self._row_bytes)
-                )
-                if scale is not None:
-                    sp = scale.data_ptr()
-                    ok = (
-                        ok
-                        and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
-                        and (sp >= hp + hn or hp >= sp + 4)
-                    )
-                elif self._scaled:
-                    ok = False
-                grad = ok and self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
-                if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
-                    ok = False
-            except (AttributeError, TypeError, IndexError, RuntimeError):
-                ok = grad = False
-            if not ok:
-                check_call(self._rules, hidden_states, None, weight, scale)
-                grad = self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
-                t = hidden_states.shape[0]
-            impl = self._table[t]
-            if impl is None:
-                raise self._closed_error() if self._closed else no_backend(t)
-            if out is None:
-                result = impl(hidden_states, None, weight, scale)
-            else:
-                # No residual: its range is hidden_states' own, which is tested anyway.
-                spans = (hp, hp + hn, hp, hp + hn, wp, sp if scale is not None else 0) if ok else None
-                result = self._into(out, t, spans, hidden_states, None, weight, scale)
-            return guard(result, hidden_states, None, weight) if grad else result
-        finally:
-            self._in_call.release()
-
-    def _into(self, out: Output, t: int, inputs: tuple[int, ...] | None, hidden_states: Any, residual: Any,
-              weight: Any, scale: Any) -> Output:  # fmt: skip
-        """The call with ``out=``: ``inputs`` are ``(h_start, h_end, r_start, r_end, w_start,
-        s_start)`` from the fast test (``None`` when it failed: the exact test then runs)."""
-        spans = self._out_trust.spans(out, t)
-        bad = inputs is None
-        if inputs is not None:
-            hp, he, rp, re_, wp, sp = inputs
-            we, se = wp + self._row_bytes, sp + 4 if scale is not None else 0
-            for a, b in spans[2]:
-                if (a < he and hp < b) or (a < re_ and rp < b) or (a < we and wp < b) or (a < se and sp < b):
-                    bad = True
-        if bad:  # the fast test failed or a destination meets an input: the exact test and its message
-            check_out_inputs(spans, self._out_rules, self._inputs(hidden_states, residual, weight, scale))
-        return self._into_table[t](hidden_states, residual, weight, scale, out)
-
-    @staticmethod
-    def _inputs(hidden_states: Any, residual: Any, weight: Any, scale: Any) -> tuple[tuple[str, Any], ...]:
-        return (
-            ("hidden_states", hidden_states),
-            ("residual", residual),
-            ("weight", weight),
-            ("scale", scale),
-        )
-
-    def _out_check(self, out: Any) -> Any:
-        """For ``ARNORM_CHECK_CALLS``: a function raising what ``out`` would raise, or ``None``."""
-        if out is None:
-            return None
-        rules = self._out_rules
-
-        def check(hidden_states: Any, residual: Any, weight: Any, scale: Any) -> None:
-            spans = self._out_trust.spans(out, hidden_states.shape[0])
-            check_out_inputs(spans, rules, self._inputs(hidden_states, residual, weight, scale))
-
-        return check
+    __call__ = call
+    _call_without_residual = call_without_residual
 
     def empty_output(self, num_tokens: int, scale: torch.Tensor | None = None) -> Output:
         """Uninitialized buffers for ``num_tokens`` tokens, to pass as ``out=`` (engines keeping buffers).
@@ -462,14 +254,6 @@ class AllReduceNorm:
         (``scale``: the fp32 ``[1]`` scale it records for fp8_static / nvfp4; out= ignores it).
         """
         return empty_output(self._out_rules, self._check_tokens_arg(num_tokens), scale)
-
-    def _trust_weight(self, weight: Any, ptr: int) -> bool:
-        # The weight of the last call is checked by identity alone next time (one op per layer);
-        # an op shared by the layers finds the others in the trust table.
-        if self._trust.weight(weight, ptr):
-            self._last_weight, self._last_wptr = weight, ptr
-            return True
-        return False
 
     def _closed_error(self) -> Exception:
         return InvalidInputError("op: closed (needs a new arnorm.AllReduceNorm)")
@@ -552,6 +336,7 @@ class AllReduceNorm:
         self._closed = True
         self._table[:] = [None] * len(self._table)
         self._into_table[:] = [None] * len(self._into_table)
+        self._fast_table[:] = [None] * len(self._fast_table)
         unregister_handle(self._handle)
         chain, self._chain = self._chain, []
         for impl in chain:

@@ -56,13 +56,12 @@ class OutRules:
 
 
 class Spans(NamedTuple):
-    """A checked ``out`` for ``rows`` tokens: its destinations with the data pointers they had, and
-    their ``[start, end)`` byte ranges (each tested against the call's inputs on every call: an
-    envelope of them would meet unrelated inputs that a caching allocator placed in between)."""
+    """A checked ``out`` for ``rows`` tokens: each destination with the data pointer it had and its
+    ``[start, end)`` byte range (tested against the call's inputs on every call, each on its own:
+    an envelope of them would meet unrelated inputs that a caching allocator placed in between)."""
 
     rows: int
-    pairs: tuple[tuple[Any, int], ...]
-    ranges: tuple[tuple[int, int], ...]
+    dests: tuple[tuple[Any, int, int], ...]
 
 
 def _dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...], Any]]:
@@ -167,7 +166,7 @@ def check_out(rules: OutRules, out: object, t: int) -> Spans:
             if start < b and a < end:
                 raise InvalidInputError(f"{arg}: overlaps {dests[j][0]} (needs a separate buffer)")
         ranges.append((start, end))
-    return Spans(t, tuple((d, r[0]) for (_, d), r in zip(dests, ranges, strict=True)), tuple(ranges))
+    return Spans(t, tuple((d, a, b) for (_, d), (a, b) in zip(dests, ranges, strict=True)))
 
 
 def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any], ...]) -> None:
@@ -180,7 +179,7 @@ def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any
             continue
         rows, cols = (t.shape[0], t.shape[1]) if t.dim() == 2 else (1, t.numel())
         a, b = span(t, rows, cols)
-        for arg, (s, e) in zip(names, spans.ranges, strict=True):
+        for arg, (_, s, e) in zip(names, spans.dests, strict=True):
             if s < b and a < e:
                 raise InvalidInputError(f"{arg}: overlaps {name} (needs a separate buffer)")
 
@@ -201,7 +200,7 @@ class OutTrust:
         # Hot path of every out= call: plain loops, no generators (each costs a frame).
         s = self.table.get(id(out))
         if s is not None and s[0] == t:
-            for d, p in s[1]:
+            for d, p, _ in s[1]:
                 if d.data_ptr() != p:
                     break
             else:
@@ -213,6 +212,28 @@ class OutTrust:
         self.table[id(out)] = s
         self.held.append(out)
         return s
+
+    def check(self, out: Any, t: int, inputs: tuple[int, ...] | None, tensors: tuple[Any, ...]) -> None:
+        """Raise :class:`InvalidInputError` unless ``out`` fits ``t`` tokens and shares no byte
+        with the call's inputs. ``inputs``: their byte ranges ``(h_start, h_end, r_start, r_end,
+        w_start, w_end, s_start, s_end)`` as the core's fast test computed them, or ``None`` (the
+        exact test runs); ``tensors``: ``(hidden_states, residual, weight, scale)``, for the exact
+        test and its message."""
+        s = self.table.get(id(out))
+        if inputs is not None and s is not None and s[0] == t:
+            # The trust test of spans() and the overlap test in one loop: every out= call pays it.
+            hp, he, rp, re_, wp, we, sp, se = inputs
+            for d, a, b in s[1]:
+                if d.data_ptr() != a or (
+                    (a < he and hp < b) or (a < re_ and rp < b) or (a < we and wp < b) or (a < se and sp < b)
+                ):
+                    break
+            else:
+                return
+        # New, changed or meeting an input (or no ranges given): the full check, then the exact test.
+        s = self.spans(out, t)
+        names = ("hidden_states", "residual", "weight", "scale")
+        check_out_inputs(s, self.rules, tuple(zip(names, tensors, strict=True)))
 
 
 def empty_output(rules: OutRules, t: int, scale: Any = None) -> Output:

@@ -47,6 +47,14 @@ class FusedAllReduceNorm(Protocol):
 
     Optional: ``input_buffer(num_tokens) -> torch.Tensor | None``, a ``[T, H]`` view of a buffer
     the caller may write the partial sum into (zero-copy input); see ``AllReduceNorm.input_buffer``.
+
+    Optional: ``fast_path() -> Callable | None``, asked once after ``create``: a function
+    ``fast(num_tokens, hidden_states, residual, weight, scale, out, hidden_ptr, residual_ptr,
+    weight_ptr, scale_ptr) -> Output | None`` called instead of ``__call__`` when the core's check
+    found the call valid with contiguous ``hidden_states`` and ``residual``; the pointers are the
+    tensors' ``data_ptr()`` (0 for ``None``) and ``out`` is ``None`` or checked caller outputs.
+    Used only for backends declaring ``caller_outputs``. Returning ``None`` declines (nothing may
+    have been done): the core then calls ``__call__`` with the same arguments.
     """
 
     name: ClassVar[str]

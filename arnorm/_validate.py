@@ -1,7 +1,7 @@
 """The one rule for a call's arguments, with messages that name the argument, what was found and the fix.
 
 :class:`CallRules` holds what an op fixed at construction. The op's hot path tests the same rule
-as one combined expression (``arnorm._call``) and calls :func:`check_call` only when it fails, so
+as one combined expression (``arnorm._op_call``) and calls :func:`check_call` only when it fails, so
 a valid call pays for none of the string building here; a property test holds the two to accepting
 exactly the same inputs. The rule depends only on the arguments and the op, so every rank that
 passes the same shapes raises the same error before any collective.

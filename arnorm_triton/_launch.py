@@ -185,32 +185,47 @@ class FusedLauncher:
         h_stride: int,
     ) -> Any:
         """One launch over ``n_rows`` rows (returns the compiled kernel when launched ordinarily)."""
+        # y, q, sf are this backend's own allocations or caller buffers arnorm checked for 16-byte
+        # alignment; scale is not specialized (any pointer).
+        hp = h.data_ptr()
+        if self.launch_pointers(
+            n_rows, x.data_ptr(), res.data_ptr(), w.data_ptr(), hp if scale is None else scale.data_ptr(), hp,
+            hp if y is None else y.data_ptr(), hp if q is None else q.data_ptr(),
+            hp if sf is None else sf.data_ptr(), x_stride, res_stride, h_stride,
+        ):  # fmt: skip
+            return None
+        cfg = self.config(n_rows)
+        return self._ordinary(cfg, (x, res, w, scale, h, y, q, sf), n_rows, x_stride, res_stride, h_stride)
+
+    def launch_pointers(self, n_rows: int, xp: int, rp: int, wp: int, sp: int, hp: int, yp: int, qp: int,
+                        sfp: int, x_stride: int, res_stride: int, h_stride: int) -> bool:  # fmt: skip
+        """The direct launch from data pointers (any valid pointer where the variant reads or writes
+        nothing); ``False`` when it cannot be taken (no bound launcher, a specialization that does
+        not hold, a launch hook installed): then nothing was launched, and :meth:`launch` must be used.
+        """
         entry = self._by_rows.get(n_rows)
         if entry is None:
             entry = self._entry(n_rows)
         run = entry[0]
-        if run is not None:
-            xp, rp, wp, hp = x.data_ptr(), res.data_ptr(), w.data_ptr(), h.data_ptr()
-            # y, q, sf are this backend's own allocations (always aligned); scale is not specialized.
-            # Pointers 16-byte aligned, and strides as bound: Triton specializes integers divisible
-            # by 16 and integers equal to 1, and the bound variants saw strides of H. So when H is
-            # a multiple of 16 every stride must be one too (one test with the pointers), else
-            # none may be 1.
-            if self._div16:
-                fits = not (xp | rp | wp | hp | x_stride | res_stride | h_stride) & 15
-            else:
-                fits = not (xp | rp | wp | hp) & 15 and x_stride != 1 and res_stride != 1 and h_stride != 1
-            hook = _RUNTIME.launch_enter_hook  # _launch_hooks_active(), inline
-            if fits and (hook is None or (type(hook) is _HOOK_CHAIN and not hook.calls)):
-                run(
-                    entry[1], 1, 1, self._get_stream(self._device_index), entry[2], *entry[3],  # type: ignore[misc]
-                    xp, rp, wp, hp if scale is None else scale.data_ptr(), hp,
-                    hp if y is None else y.data_ptr(), hp if q is None else q.data_ptr(),
-                    hp if sf is None else sf.data_ptr(), n_rows, x_stride, res_stride, h_stride, *self._tail,
-                )  # fmt: skip
-                return None
-        cfg = self.config(n_rows)
-        return self._ordinary(cfg, (x, res, w, scale, h, y, q, sf), n_rows, x_stride, res_stride, h_stride)
+        if run is None:
+            return False
+        # Pointers 16-byte aligned, and strides as bound: Triton specializes integers divisible
+        # by 16 and integers equal to 1, and the bound variants saw strides of H. So when H is
+        # a multiple of 16 every stride must be one too (one test with the pointers), else
+        # none may be 1.
+        if self._div16:
+            if (xp | rp | wp | hp | yp | qp | sfp | x_stride | res_stride | h_stride) & 15:
+                return False
+        elif (xp | rp | wp | hp | yp | qp | sfp) & 15 or x_stride == 1 or res_stride == 1 or h_stride == 1:
+            return False
+        hook = _RUNTIME.launch_enter_hook  # _launch_hooks_active(), inline
+        if hook is not None and not (type(hook) is _HOOK_CHAIN and not hook.calls):
+            return False
+        run(
+            entry[1], 1, 1, self._get_stream(self._device_index), entry[2], *entry[3],  # type: ignore[misc]
+            xp, rp, wp, sp, hp, yp, qp, sfp, n_rows, x_stride, res_stride, h_stride, *self._tail,
+        )  # fmt: skip
+        return True
 
     def _entry(self, n_rows: int) -> tuple[Any, int, Any, Any]:
         """``(run, grid, function, mid)`` for ``n_rows``: the bound launcher (``run`` None when

@@ -7,14 +7,16 @@ backend's glue, the output allocation, and the launch. This times the real
 GPU path runs is timed and the kernel is not. The direct-launch path is the one taken: the stub
 is bound exactly where :meth:`FusedLauncher.bind` binds the real launcher after validating it.
 
-Columns (microseconds per call, the timing loop's own cost taken out): ``op call``, the whole
-``AllReduceNorm.__call__`` (the op selects ``triton`` on CPU because this script sets
-``TRITON_INTERPRET=1`` before the import); ``core``, that minus the backend call; ``backend
-call``; its pieces ``alloc`` (the outputs), ``launch`` (the launcher with preallocated outputs;
-``launch glue`` is that minus the stub's own call with the same arguments), ``output`` (the
-``Output`` construction) and ``glue`` (the backend call minus those three); and ``empty (1,H)``,
-one ``torch.empty``: the floor of any call that returns a fresh tensor. Best of 7 runs of 50,000
-calls each; T=1, H=4096, bf16.
+Columns (microseconds per call, the timing loop's own cost taken out): ``op call`` and ``op
+out=``, the whole ``AllReduceNorm.__call__`` allocating and with caller-provided outputs (the op
+selects ``triton`` on CPU because this script sets ``TRITON_INTERPRET=1`` before the import);
+``fast path``, the backend's ``fast_path()`` function the op calls (pointers given, allocating);
+``core`` and ``core out=``, each op call minus its fast path (the core's checks); ``backend
+call``, the backend's ``__call__`` (the route at TP > 1 and for strided rows); its pieces ``alloc``
+(the outputs), ``launch`` (the launcher with preallocated outputs; ``launch glue`` is that minus
+the stub's own call with the same arguments), ``output`` (the ``Output`` construction) and
+``glue`` (the backend call minus those three); and ``empty (1,H)``, one ``torch.empty``: the floor
+of any call that returns a fresh tensor. Best of 7 runs of 50,000 calls each; T=1, H=4096, bf16.
 
     python benchmarks/bench_host_path.py [--number N] [--repeat R]
 
@@ -105,9 +107,16 @@ def measure(quant, layout, normed, number: int, repeat: int) -> dict[str, float]
     args = tuple(_LAST_ARGS)
     stub_launcher(launcher)
     backend(x, r, w, s)
+    out = op.empty_output(1, s)
+    fast = op._fast_table[1]
+    assert fast is not None, "triton at TP 1 offers a fast path"
+    ptrs = (x.data_ptr(), r.data_ptr(), w.data_ptr(), 0 if s is None else s.data_ptr())
     rows = {
         "stub run": _best(lambda: _noop_run(*args), number, repeat),
         "op call": _best(lambda: op(x, r, w, s), number, repeat),
+        "op out=": _best(lambda: op(x, r, w, s, out=out), number, repeat),
+        "fast path": _best(lambda: fast(1, x, r, w, s, None, *ptrs), number, repeat),
+        "fast out=": _best(lambda: fast(1, x, r, w, s, out, *ptrs), number, repeat),
         "backend call": _best(lambda: backend(x, r, w, s), number, repeat),
         "alloc": _best(lambda: backend._alloc(1), number, repeat),
         "launch": _best(lambda: launcher.launch(x, r, w, s, x, y, q, sf, 1, H, H, H), number, repeat),
@@ -118,7 +127,8 @@ def measure(quant, layout, normed, number: int, repeat: int) -> dict[str, float]
     lam = rows.pop("lambda")  # the timing harness's own call, taken out of every row
     rows = {k: v - lam for k, v in rows.items()}
     rows["glue"] = rows["backend call"] - rows["alloc"] - rows["launch"] - rows["output"]
-    rows["core"] = rows["op call"] - rows["backend call"]
+    rows["core"] = rows["op call"] - rows["fast path"]
+    rows["core out="] = rows["op out="] - rows["fast out="]
     rows["launch glue"] = rows["launch"] - rows["stub run"]
     return rows
 
@@ -128,7 +138,8 @@ def main() -> None:
     ap.add_argument("--number", type=int, default=50_000)
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
-    cols = ["op call", "core", "backend call", "alloc", "launch", "launch glue", "output", "glue"]
+    cols = ["op call", "op out=", "fast path", "core", "core out=", "backend call", "alloc", "launch",
+            "launch glue", "output", "glue"]  # fmt: skip
     cols.append("empty (1,H)")
     print(
         f"# Eager host path at T=1, H={H}, bf16, stub launcher "

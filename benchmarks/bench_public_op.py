@@ -5,10 +5,11 @@ Measured in one run, bf16, plain RMSNorm (FlashInfer's kernels are the plain nor
 
 1. **Eager host time per call** at T = 1 (no CUDA graph: what an engine running eagerly pays per
    layer): the public op, allocating and with caller-provided outputs (``out=``), and a
-   breakdown of where its time goes (the backend alone, the launcher with outputs already
-   allocated, the compiled kernel's C launcher alone with its arguments prebuilt, one
-   ``torch.empty``); FlashInfer with its output preallocated (its API) and with a
-   ``torch.empty`` of it per call.
+   breakdown of where its time goes (the backend's fast path with the pointers given, its
+   ``__call__``, the launcher with outputs already allocated, the compiled kernel's C launcher
+   alone with its arguments prebuilt, one ``torch.empty``); FlashInfer with its output
+   preallocated (its API) and with a ``torch.empty`` of it per call. The paths of one case are
+   timed in interleaved rounds, so host noise falls on all of them alike.
 2. **CUDA-graph replay** of ``--calls`` back-to-back calls (launch gaps removed; median of
    ``--replays``, microseconds per call) for every T, H and format, with and without the normed
    output; programmatic dependent launch off for comparison at decode sizes.
@@ -101,19 +102,22 @@ class CudaDevice:
         del graph
         return statistics.median(times)
 
-    def eager_us(self, fn: Callable[[], Any], iters: int) -> float:
-        """Host microseconds per call: the loop's time without waiting for the GPU (at T = 1 the
-        GPU finishes each call long before the host issues the next, so the host is the cost)."""
-        for _ in range(20):
-            fn()
-        self.sync()
-        best = float("inf")
-        for _ in range(9):  # best of 9: a lent machine's host has bursts of other work
-            t0 = time.perf_counter()
-            for _ in range(iters):
+    def eager_all(self, fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
+        """Host microseconds per call of each of ``fns``: best of 9 rounds, each round timing
+        ``iters`` calls of every function in turn (at T = 1 the GPU finishes each call long before
+        the host issues the next, so the host is the cost)."""
+        for fn in fns.values():
+            for _ in range(20):
                 fn()
-            best = min(best, (time.perf_counter() - t0) / iters * 1e6)
-            self.sync()
+        self.sync()
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(9):  # best of 9: a lent machine's host has bursts of other work
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter() - t0) / iters * 1e6)
+                self.sync()
         return best
 
 
@@ -137,8 +141,8 @@ class CpuDevice:
             fn()
         return (time.perf_counter() - t0) / calls * 1e6
 
-    def eager_us(self, fn: Callable[[], Any], iters: int) -> float:
-        return self.graph_us(fn, iters, 1)
+    def eager_all(self, fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
+        return {name: self.graph_us(fn, iters, 1) for name, fn in fns.items()}
 
 
 def copy_bandwidth(dev: Any, nbytes: int) -> dict[str, float]:
@@ -288,7 +292,9 @@ def record(rows: list[dict], errors: dict, where: str, fn: Callable[[], float], 
 
 
 def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> None:
-    """Host time per eager call at T = 1, with the breakdown of arnorm's."""
+    """Host time per eager call at T = 1, with the breakdown of arnorm's. Every path of one case is
+    timed round by round in turn (``dev.eager_all``), so a slow phase of the lent host's CPU hits
+    arnorm and FlashInfer alike instead of whichever ran then."""
     import torch
 
     rows, errors = report["eager"], report["errors"]
@@ -305,40 +311,48 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
             x = inp.x.clone()
             key = {"H": h, "format": fmt, "normed": normed}
             args_ = (x, inp.r, inp.w, inp.scale)
-            path = f"arnorm.AllReduceNorm ({op.backend})"
-            record(rows, errors, where, P(dev.eager_us, P(op, *args_), args.iters), **key, path=path)
             out = op.empty_output(1, inp.scale)
-            path = f"arnorm.AllReduceNorm out= ({op.backend})"
-            timer = P(dev.eager_us, P(op, *args_, out=out), args.iters)
-            record(rows, errors, where + " out=", timer, **key, path=path)
+            paths: dict[str, Callable[[], Any]] = {
+                f"arnorm.AllReduceNorm ({op.backend})": P(op, *args_),
+                f"arnorm.AllReduceNorm out= ({op.backend})": P(op, *args_, out=out),
+            }
             impl = getattr(op, "_table", [None, None])[1]  # the selected backend (private: a breakdown)
+            fast = getattr(op, "_fast_table", [None, None])[1]
+            if fast is not None:
+                ptrs = (
+                    x.data_ptr(),
+                    inp.r.data_ptr(),
+                    inp.w.data_ptr(),
+                    0 if inp.scale is None else inp.scale.data_ptr(),
+                )
+                paths["  its fast path, out=, pointers given"] = P(fast, 1, *args_, out, *ptrs)
             if impl is not None:
-                timer = P(dev.eager_us, P(impl, *args_), args.iters)
-                record(rows, errors, where + " backend", timer, **key, path="  backend call")
+                paths["  backend __call__ (allocating)"] = P(impl, *args_)
                 launcher = getattr(impl, "launcher", None)
                 if launcher is not None:
                     y, q, sf = impl._alloc(1)
-                    call = P(launcher.launch, x, inp.r, inp.w, inp.scale, x, y, q, sf, 1, h, h, h)
-                    path = "  launcher, outputs preallocated" + ("" if launcher.fast else " (kernel[grid])")
-                    record(
-                        rows, errors, where + " launcher", P(dev.eager_us, call, args.iters), **key, path=path
-                    )
+                    label = "  launcher, outputs preallocated" + ("" if launcher.fast else " (kernel[grid])")
+                    paths[label] = P(launcher.launch, x, inp.r, inp.w, inp.scale, x, y, q, sf, 1, h, h, h)
                     c_call = prebuilt_launch(launcher, (x, inp.r, inp.w, inp.scale, x, y, q, sf), h)
                     if c_call is not None:
-                        path = "    its C launch alone (arguments prebuilt)"
-                        timer = P(dev.eager_us, c_call, args.iters)
-                        record(rows, errors, where + " c launch", timer, **key, path=path)
-            empty = P(torch.empty, (1, h), dtype=torch.bfloat16, device=dev.device)
-            path = "  one torch.empty((1, H))"
-            record(rows, errors, where + " empty", P(dev.eager_us, empty, args.iters), **key, path=path)
+                        paths["    its C launch alone (arguments prebuilt)"] = c_call
+            paths["  one torch.empty((1, H))"] = P(
+                torch.empty, (1, h), dtype=torch.bfloat16, device=dev.device
+            )
             for alloc in (False, True):
                 call = fi_call(fi, inp, normed, alloc_per_call=alloc)
                 if call is not None:
-                    path = "flashinfer" + (
-                        " + torch.empty of its output" if alloc else " (output preallocated)"
-                    )
-                    timer = P(dev.eager_us, call, args.iters)
-                    record(rows, errors, f"{where} fi alloc={alloc}", timer, **key, path=path)
+                    paths[
+                        "flashinfer" + (" + torch.empty of its output" if alloc else " (output preallocated)")
+                    ] = call
+            try:
+                timed = dev.eager_all(paths, args.iters)
+            except Exception as exc:
+                errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"  {where} failed: {errors[where]}", flush=True)
+                timed = {}
+            for path, us in timed.items():
+                rows.append(key | {"path": path, "us": round(us, 3)})
             op.close()
 
 

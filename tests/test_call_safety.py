@@ -170,7 +170,7 @@ def test_the_fast_path_accepts_exactly_what_check_call_accepts(
     kind, quant, inplace, warm, monkeypatch_module
 ):
     """For every input, the inline fast predicate of __call__ and check_call agree (issue 11.7)."""
-    import arnorm._op as op_module
+    import arnorm._op_call as op_module
     from arnorm._validate import check_call
 
     fake_backends.install()

@@ -184,7 +184,7 @@ KINDS = st.sampled_from(
 @given(kind=KINDS, warm=st.booleans(), inplace=st.booleans())
 def test_the_fast_path_without_residual_accepts_exactly_what_check_call_accepts(kind, warm, inplace):
     """For residual=None calls, the inline predicate and check_call agree, and only rejects go slow."""
-    import arnorm._op as op_module
+    import arnorm._op_call as op_module
     from arnorm._validate import check_call
 
     fake_backends.install()

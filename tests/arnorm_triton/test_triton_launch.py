@@ -58,8 +58,11 @@ def _at(address: int, like: torch.Tensor) -> torch.Tensor:
     end = 0
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
-            storage = obj.untyped_storage()
-            start = storage.data_ptr()
+            try:  # fake tensors an earlier torch.compile left alive have no data pointer
+                storage = obj.untyped_storage()
+                start = storage.data_ptr()
+            except RuntimeError:
+                continue
             if start <= address < start + storage.nbytes():
                 end = max(end, start + storage.nbytes())
     assert end, f"no live tensor holds address {address:#x}"

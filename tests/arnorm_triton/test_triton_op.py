@@ -124,3 +124,78 @@ def test_exact_mode_at_tp1_is_the_plain_kernel():
     backend = make_backend(make_problem(256, torch.float32, device=DEVICE), exact=True)
     assert not backend.exact and backend.check_tokens(10**6) == ()
     assert backend.launcher.constexprs["NUM_PARTIALS"] == 1
+
+
+FAST_CASES = [
+    (None, None, True),
+    ("fp8_static", None, False),
+    ("fp8_per_token", None, True),
+    ("nvfp4", "swizzled_128x4", False),
+    ("mxfp8", "linear", True),
+]
+
+
+@pytest.mark.parametrize(("quant", "layout", "normed"), FAST_CASES)
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("add_residual", [True, False])
+def test_fast_path_writes_what_call_writes(quant, layout, normed, inplace, with_out, add_residual):
+    """triton's fast_path (the core's route at TP 1) and its __call__ give the same bits, fields
+    and buffers, with and without out=, in place or not, with and without a residual."""
+    from triton_cases import make_backend
+
+    problem = make_problem(64, torch.bfloat16, quant, layout, normed_output=normed, inplace=inplace,
+                           device=DEVICE)  # fmt: skip
+    if not add_residual:
+        import dataclasses
+
+        problem = dataclasses.replace(problem, add_residual=False)
+    backend = make_backend(problem)
+    fast = backend.fast_path()
+    assert fast is not None
+    partials, residual, weight = make_inputs(3, 64, torch.bfloat16, device=DEVICE)
+    residual = residual if add_residual else None
+    scale = make_scale(quant, add_rmsnorm(partials[0], partials[0], weight, 1e-6, 0.0)[1])
+    results = []
+    for route in ("call", "fast"):
+        x = partials[0].clone()
+        out = None
+        if with_out:
+            op_out = arnorm.AllReduceNorm(
+                arnorm.LOCAL, hidden_size=64, dtype=torch.bfloat16, norm=arnorm.RMSNorm(1e-6), quant=quant,
+                scale_layout=layout, normed_output=normed, inplace=inplace, max_tokens=8, device=DEVICE,
+                backend="reference",
+            )  # fmt: skip
+            out = op_out.empty_output(3, scale)
+            op_out.close()
+        if route == "call":
+            got = backend(x, residual, weight, scale, out)
+        else:
+            rp = 0 if residual is None else residual.data_ptr()
+            sp = 0 if scale is None else scale.data_ptr()
+            got = fast(3, x, residual, weight, scale, out, x.data_ptr(), rp, weight.data_ptr(), sp)
+        assert (got.residual is x) == inplace
+        if out is not None:
+            assert got.normed is out.normed
+            assert got.residual is (x if inplace else out.residual)
+            assert got.quant is None or got.quant.data is out.quant.data
+        results.append((x, got))
+    (x1, a), (x2, b) = results
+    assert torch.equal(x1, x2)
+    for u, v in [(a.normed, b.normed), (a.residual, b.residual)] + (
+        [] if a.quant is None else [(a.quant.data, b.quant.data), (a.quant.scale, b.quant.scale)]
+    ):
+        assert (u is None) == (v is None)
+        if u is not None:
+            assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+    if a.quant is not None:
+        assert a.quant[2:] == b.quant[2:]  # format, layout, global scale
+
+
+def test_no_fast_path_beyond_tp1():
+    """At TP > 1 the all-reduce needs the tensors: fast_path() is None and calls go through __call__."""
+    import types
+
+    problem = make_problem(64, torch.float32, world_size=2, device=DEVICE)
+    comm = types.SimpleNamespace(device=torch.device(DEVICE.type), world_size=2)
+    assert TritonBackend(problem, comm, exact=False, pdl=False).fast_path() is None

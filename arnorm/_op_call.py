@@ -1,0 +1,279 @@
+"""The checked call of :class:`arnorm.AllReduceNorm` (its ``__call__``), apart from construction.
+
+For a valid call the cost is one combined test of :mod:`arnorm._validate`'s rule (that module says
+it in words, and :func:`arnorm._validate.check_call` builds the message when the test fails; a
+property test holds the two equal), a list index that picks the backend for the token count, and
+the backend call. Where the backend has a fast path (the optional ``fast_path`` of
+:class:`arnorm.plugin.FusedAllReduceNorm`) and the rows are contiguous, the call goes there with
+the data pointers the test already read, so neither side reads them twice. These functions are
+``AllReduceNorm``'s methods; they live here to keep the class's module about construction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from arnorm._call import agree_call, guard, no_backend
+from arnorm._custom_op import call_custom_op
+from arnorm._errors import InvalidInputError
+from arnorm._out import check_out_tensors, copy_into
+from arnorm._types import Output
+from arnorm._validate import check_call
+
+if TYPE_CHECKING:
+    import torch
+
+    from arnorm._op import AllReduceNorm
+
+__all__ = ["call", "call_without_residual", "out_check", "trust_weight"]
+
+_TWO_THREADS = "op: called from two threads at once (needs one call at a time per op)"
+
+
+def call(
+    self: AllReduceNorm,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    out: Output | None = None,
+) -> Output:
+    """Run one fused step; see the class docstring for the formula.
+
+    Args:
+        hidden_states: ``[T, H]`` this rank's partial sum (becomes the new residual when the
+            op is in place). Rows may be strided when every backend of the op says so.
+        residual: ``[T, H]``, not modified; must not share memory with ``hidden_states``.
+            ``None`` exactly when the op was built with ``add_residual=False``.
+        weight: ``[H]`` norm weight in the op's dtype (raw Gemma weight; the offset is added).
+        scale: fp32 ``[1]`` on the op's device: the dequant scale (fp8_static) or the global
+            encode scale (nvfp4); ``None`` for the other formats.
+        out: caller-owned buffers for exactly ``T`` tokens, written instead of allocating
+            (:meth:`empty_output` makes one; an earlier call's result may be passed back). The
+            result holds ``out``'s tensors. Each is contiguous, 16-byte aligned and shares no
+            byte with another or with the inputs (README, "Caller-provided outputs").
+
+    One call at a time per op: a second, concurrent call from another thread raises.
+    """
+    if self._is_compiling():
+        if out is not None:  # fake tensors have no data pointers: everything else is checked
+            check_out_tensors(self._out_rules, out, hidden_states.shape[0])
+        result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
+        return result if out is None else copy_into(result, out, self._inplace)
+    if self._check_calls:
+        self._seq += 1
+        agree_call(
+            self._comm, self._rules, self._seq, hidden_states, residual, weight, scale, out_check(self, out)
+        )
+    if residual is None:
+        return self._call_without_residual(hidden_states, weight, scale, out)
+    if not self._in_call.acquire(False):
+        raise InvalidInputError(_TWO_THREADS)
+    try:
+        fast = None
+        sp = 0
+        try:
+            shape = hidden_states.shape
+            t = shape[0]
+            h = self._hidden
+            hp, rp, wp = hidden_states.data_ptr(), residual.data_ptr(), weight.data_ptr()
+            if hidden_states.is_contiguous() and residual.is_contiguous():
+                hn = rn = t * self._row_bytes
+                ok = abs(hp - rp) >= hn
+                fast = self._fast_table[t]
+            elif self._strided:
+                hst, rst = hidden_states.stride(), residual.stride()
+                hn = ((t - 1) * hst[0] + h) * self._itemsize
+                rn = ((t - 1) * rst[0] + h) * self._itemsize
+                ok = (h == 1 or hst[1] == rst[1] == 1) and (t == 1 or (hst[0] >= h and rst[0] >= h))
+                ok = ok and (hp >= rp + rn or rp >= hp + hn)
+            else:
+                ok = False
+            dt = self._dtype
+            if self._on_cpu:  # is_cpu and get_device() both exclude meta tensors, and are cheap
+                ok = ok and hidden_states.is_cpu and residual.is_cpu
+            else:
+                ok = ok and hidden_states.get_device() == self._index and residual.get_device() == self._index
+            ok = (
+                ok
+                and self._add_residual
+                and hidden_states.dtype is dt
+                and residual.dtype is dt
+                and len(shape) == 2
+                and shape[1] == h
+                and 0 < t <= self._max_tokens
+                and residual.shape == shape
+                and (
+                    (weight is self._last_weight and wp == self._last_wptr)
+                    or self._trusted_weights.get(id(weight)) == wp
+                    or trust_weight(self, weight, wp)
+                )
+                and (wp >= hp + hn or hp >= wp + self._row_bytes)
+            )
+            if scale is not None:
+                sp = scale.data_ptr()
+                ok = (
+                    ok
+                    and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
+                    and (sp >= hp + hn or hp >= sp + 4)
+                )
+            elif self._scaled:
+                ok = False
+            grad = (
+                ok
+                and self._grad_enabled()
+                and (hidden_states.requires_grad or residual.requires_grad or weight.requires_grad)
+            )
+            if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
+                ok = False
+        except (AttributeError, TypeError, IndexError, RuntimeError):
+            ok = grad = False
+        spans = None  # the inputs' byte ranges for out='s overlap test (None: the exact test runs)
+        if out is not None and ok:
+            spans = (
+                hp,
+                hp + hn,
+                rp,
+                rp + rn,
+                wp,
+                wp + self._row_bytes,
+                sp,
+                sp + 4 if scale is not None else 0,
+            )
+        if fast is not None and ok:
+            if out is not None:
+                self._out_trust.check(out, t, spans, (hidden_states, residual, weight, scale))
+            result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
+            if result is not None:
+                return guard(result, hidden_states, residual, weight) if grad else result
+        if not ok:
+            check_call(self._rules, hidden_states, residual, weight, scale)
+            grad = self._grad_enabled() and (
+                hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
+            )
+            t = hidden_states.shape[0]
+        impl = self._table[t]
+        if impl is None:
+            raise self._closed_error() if self._closed else no_backend(t)
+        if out is None:
+            result = impl(hidden_states, residual, weight, scale)
+        else:
+            self._out_trust.check(out, t, spans, (hidden_states, residual, weight, scale))
+            result = self._into_table[t](hidden_states, residual, weight, scale, out)
+        return guard(result, hidden_states, residual, weight) if grad else result
+    finally:
+        self._in_call.release()
+
+
+def call_without_residual(
+    self: AllReduceNorm, hidden_states: Any, weight: Any, scale: Any, out: Any
+) -> Output:
+    """:func:`call` for an op built with ``add_residual=False`` (``residual`` is ``None``)."""
+    # The rule of call's fast test with no residual to place or compare (the same property test
+    # covers both); the weight and scale parts are the same expressions.
+    if not self._in_call.acquire(False):
+        raise InvalidInputError(_TWO_THREADS)
+    try:
+        fast = None
+        sp = 0
+        try:
+            shape = hidden_states.shape
+            t = shape[0]
+            h = self._hidden
+            hp, wp = hidden_states.data_ptr(), weight.data_ptr()
+            if hidden_states.is_contiguous():
+                hn = t * self._row_bytes
+                ok = not self._add_residual
+                fast = self._fast_table[t]
+            elif self._strided:
+                hst = hidden_states.stride()
+                hn = ((t - 1) * hst[0] + h) * self._itemsize
+                ok = not self._add_residual and (h == 1 or hst[1] == 1) and (t == 1 or hst[0] >= h)
+            else:
+                ok = False
+            if self._on_cpu:
+                ok = ok and hidden_states.is_cpu
+            else:
+                ok = ok and hidden_states.get_device() == self._index
+            ok = (
+                ok
+                and hidden_states.dtype is self._dtype
+                and len(shape) == 2
+                and shape[1] == h
+                and 0 < t <= self._max_tokens
+                and (
+                    (weight is self._last_weight and wp == self._last_wptr)
+                    or self._trusted_weights.get(id(weight)) == wp
+                    or trust_weight(self, weight, wp)
+                )
+                and (wp >= hp + hn or hp >= wp + self._row_bytes)
+            )
+            if scale is not None:
+                sp = scale.data_ptr()
+                ok = (
+                    ok
+                    and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
+                    and (sp >= hp + hn or hp >= sp + 4)
+                )
+            elif self._scaled:
+                ok = False
+            grad = ok and self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+            if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
+                ok = False
+        except (AttributeError, TypeError, IndexError, RuntimeError):
+            ok = grad = False
+        spans = None  # as in call; no residual: its range is hidden_states' own, tested anyway
+        if out is not None and ok:
+            spans = (
+                hp,
+                hp + hn,
+                hp,
+                hp + hn,
+                wp,
+                wp + self._row_bytes,
+                sp,
+                sp + 4 if scale is not None else 0,
+            )
+        if fast is not None and ok:
+            if out is not None:
+                self._out_trust.check(out, t, spans, (hidden_states, None, weight, scale))
+            result = fast(t, hidden_states, None, weight, scale, out, hp, 0, wp, sp)
+            if result is not None:
+                return guard(result, hidden_states, None, weight) if grad else result
+        if not ok:
+            check_call(self._rules, hidden_states, None, weight, scale)
+            grad = self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+            t = hidden_states.shape[0]
+        impl = self._table[t]
+        if impl is None:
+            raise self._closed_error() if self._closed else no_backend(t)
+        if out is None:
+            result = impl(hidden_states, None, weight, scale)
+        else:
+            self._out_trust.check(out, t, spans, (hidden_states, None, weight, scale))
+            result = self._into_table[t](hidden_states, None, weight, scale, out)
+        return guard(result, hidden_states, None, weight) if grad else result
+    finally:
+        self._in_call.release()
+
+
+def out_check(self: AllReduceNorm, out: Any) -> Any:
+    """For ``ARNORM_CHECK_CALLS``: a function raising what ``out`` would raise, or ``None``."""
+    if out is None:
+        return None
+
+    def check(hidden_states: Any, residual: Any, weight: Any, scale: Any) -> None:
+        tensors = (hidden_states, residual, weight, scale)
+        self._out_trust.check(out, hidden_states.shape[0], None, tensors)
+
+    return check
+
+
+def trust_weight(self: AllReduceNorm, weight: Any, ptr: int) -> bool:
+    """Check ``weight`` fully and trust it; the weight of the last call is then checked by
+    identity alone (one op per layer); an op shared by the layers finds the others in the table."""
+    if self._trust.weight(weight, ptr):
+        self._last_weight, self._last_wptr = weight, ptr
+        return True
+    return False
