@@ -18,9 +18,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import triton
-
 from arnorm_triton import _kernels as K
+from arnorm_triton._direct import HOOK_CHAIN, RUNTIME, Bound, bound_launchers
 from arnorm_triton._launch_table import launch_config
 from arnorm_triton._plugin import MAX_HIDDEN
 
@@ -36,43 +35,6 @@ class LaunchConfig(NamedTuple):
     """How one launch is shaped; chosen per (H, T) by :func:`arnorm_triton._launch_table.launch_config`."""
 
     num_warps: int
-
-
-class _Bound(NamedTuple):
-    """A compiled variant's launcher, ready to call as
-    ``run(grid, 1, 1, stream, function, *mid, *kernel_args)``."""
-
-    run: Callable[..., Any]
-    function: Any
-    mid: tuple[Any, ...]
-
-
-#: sha256 of the whitespace-normalized source of ``CudaLauncher.__call__`` in Triton 3.6.0, whose
-#: whole work for a kernel with no scratch memory is ``self.launch(grid..., stream, function,
-#: cooperative, pdl, None, None, *args)``. Only a launcher with exactly that source is called
-#: through its ``launch`` directly (a C function): it skips a Python frame, two closures and a
-#: re-packing of 25 arguments per eager call. Any other Triton keeps ``CompiledKernel.run``.
-_KNOWN_CALL_SOURCES = frozenset({"b5e4d84a36af22efc4017e23f5873393dc885ae5ca6077a545182aa971d8d324"})
-
-
-def _bound_launchers(compiled: Any) -> list[_Bound]:
-    """How ``compiled`` may be launched directly, fastest first (each is checked bit for bit at bind)."""
-    plain = _Bound(compiled.run, compiled.function, (compiled.packed_metadata, None, None, None))
-    run = compiled.run
-    try:
-        import hashlib
-        import inspect
-
-        text = " ".join(inspect.getsource(type(run).__call__).split())
-        known = hashlib.sha256(text.encode()).hexdigest() in _KNOWN_CALL_SOURCES
-        if known and run.global_scratch_size == 0 and run.profile_scratch_size == 0:
-            # cooperative, pdl, no global / profile scratch, then what __call__ passes on as *args.
-            mid: tuple[Any, ...] = (run.launch_cooperative_grid, run.launch_pdl, None, None)
-            mid += (compiled.packed_metadata, None, None, None)
-            return [_Bound(run.launch, compiled.function, mid), plain]
-    except Exception:  # no source, other attributes: the plain launcher only
-        pass
-    return [plain]
 
 
 class FusedLauncher:
@@ -137,7 +99,7 @@ class FusedLauncher:
         self._tail = (self.eps, self.weight_offset, *consts)
         # Triton specializes integer arguments divisible by 16: strides must keep that property.
         self._div16 = hidden % 16 == 0
-        self._bound: dict[LaunchConfig, _Bound] = {}
+        self._bound: dict[LaunchConfig, Bound] = {}
         self._by_rows: dict[int, tuple[Any, int, Any, Any]] = {}
         self._get_stream: Callable[[int], int] | None = None
         self._device_index = 0
@@ -218,8 +180,8 @@ class FusedLauncher:
                 return False
         elif (xp | rp | wp | hp | yp | qp | sfp) & 15 or x_stride == 1 or res_stride == 1 or h_stride == 1:
             return False
-        hook = _RUNTIME.launch_enter_hook  # _launch_hooks_active(), inline
-        if hook is not None and not (type(hook) is _HOOK_CHAIN and not hook.calls):
+        hook = RUNTIME.launch_enter_hook  # hooks_active(), inline
+        if hook is not None and not (type(hook) is HOOK_CHAIN and not hook.calls):
             return False
         run(
             entry[1], 1, 1, self._get_stream(self._device_index), entry[2], *entry[3],  # type: ignore[misc]
@@ -252,7 +214,7 @@ class FusedLauncher:
             **extra, **self.constexprs,
         )  # fmt: skip
 
-    def _direct(self, bound: _Bound, ptrs: tuple[int, ...], n_rows: int, *strides: int) -> None:
+    def _direct(self, bound: Bound, ptrs: tuple[int, ...], n_rows: int, *strides: int) -> None:
         assert self._get_stream is not None
         args = (*ptrs, n_rows, *strides, *self._tail)
         stream = self._get_stream(self._device_index)
@@ -282,7 +244,7 @@ class FusedLauncher:
             for cfg in configs:
                 compiled = self._ordinary(cfg, tensors, n_rows, *strides)
                 first = [o.clone() for o in outputs]
-                for bound in _bound_launchers(compiled):
+                for bound in bound_launchers(compiled):
                     for o in outputs:
                         o.zero_()
                     self._direct(bound, ptrs, n_rows, *strides)
@@ -324,26 +286,3 @@ def _probe_counts(max_rows: int) -> list[int]:
         counts.update(c for c in (p - 1, p, p + 1) if 1 <= c <= max_rows)
         p *= 2
     return sorted(counts)
-
-
-#: ``triton.knobs`` (Triton >= 3.4): a profiler's launch hook needs the slow path.
-_KNOBS: Any = getattr(triton, "knobs", None)
-
-
-class _NoKnobs:
-    launch_enter_hook = None
-
-
-#: Read per fast launch. ``launch_enter_hook`` is a plain attribute (not an environment
-#: descriptor) of this one ``runtime_knobs`` object in Triton 3.4 to 3.8, so the read is cheap.
-_RUNTIME: Any = getattr(_KNOBS, "runtime", None) or _NoKnobs()
-#: Since Triton 3.5 the hook is a ``HookChain`` that is never ``None``; an empty chain means no
-#: hook. Anything else that is not ``None`` (a function assigned as in Triton 3.4) is a hook.
-_HOOK_CHAIN: Any = getattr(_KNOBS, "HookChain", None) or _NoKnobs
-
-
-def _launch_hooks_active() -> bool:
-    """Whether a launch-enter hook (a profiler such as proton) is installed; the test
-    :meth:`FusedLauncher.launch` makes inline."""
-    hook = _RUNTIME.launch_enter_hook
-    return hook is not None and not (type(hook) is _HOOK_CHAIN and not hook.calls)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm_triton import _kernels as K
 from arnorm_triton import _symm_kernels as S
-from arnorm_triton._launch import _HOOK_CHAIN, _RUNTIME, _bound_launchers
+from arnorm_triton._direct import HOOK_CHAIN, RUNTIME, bound_launchers
 from arnorm_triton._launch_table import default_num_warps
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class SymmLauncher:
         #: Every constexpr in signature order, ``STAGE=0`` included (the direct launch's tail).
         self._consts = tuple({**self.constexprs, "STAGE": 0}[n] for n in names[names.index("HIDDEN") :])
         self._div16 = lay.hidden % 16 == 0
-        self._bound: Any = None  # _Bound once bind() succeeded
+        self._bound: Any = None  # Bound once bind() succeeded
         self._fixed: tuple[int, ...] = ()
         self._scalars: tuple[Any, ...] = ()
         self._get_stream: Any = None
@@ -132,8 +132,8 @@ class SymmLauncher:
                 fits = not (xp | rp | wp | hp | x_stride | res_stride | h_stride) & 15
             else:
                 fits = not (xp | rp | wp | hp) & 15 and x_stride != 1 and res_stride != 1 and h_stride != 1
-            hook = _RUNTIME.launch_enter_hook
-            if fits and (hook is None or (type(hook) is _HOOK_CHAIN and not hook.calls)):
+            hook = RUNTIME.launch_enter_hook
+            if fits and (hook is None or (type(hook) is HOOK_CHAIN and not hook.calls)):
                 bound.run(
                     self.grid(n_rows), 1, 1, self._get_stream(self._device_index), bound.function,
                     *bound.mid, xp, rp, wp, hp if scale is None else scale.data_ptr(), hp,
@@ -205,7 +205,7 @@ class SymmLauncher:
             )
             lay = ws.layout
             self._scalars = (self.eps, self.weight_offset, ws.rank, lay.in_off, lay.sum_off, self.spin_limit)
-            candidates = _bound_launchers(compiled)
+            candidates = bound_launchers(compiled)
         except Exception as exc:  # Triton API drift: ordinary launches only, never a failed setup
             _log.warning("triton_symm: direct launch unavailable (%s: %s)", type(exc).__name__, exc)
         chosen = None

@@ -36,7 +36,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before arnorm_triton is import
 import torch
 
 import arnorm
-from arnorm_triton._launch import _Bound
+from arnorm_triton._direct import Bound
 
 H = 4096
 #: (label, quant, scale_layout, normed_output)
@@ -65,7 +65,7 @@ def stub_launcher(launcher, run=_noop_run) -> None:
     """Bind ``run`` as the launcher of every configuration the op uses, as a validated bind would."""
     launcher.unbind()
     for cfg in launcher.configs(64):
-        launcher._bound[cfg] = _Bound(run, None, (None, None, None, None))
+        launcher._bound[cfg] = Bound(run, None, (None, None, None, None))
     # torch's _cuda_getCurrentRawStream is a C function of the device index; abs(0) == 0 is one too.
     launcher._get_stream = abs
     launcher._device_index = 0

@@ -316,6 +316,13 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
                 f"arnorm.AllReduceNorm ({op.backend})": P(op, *args_),
                 f"arnorm.AllReduceNorm out= ({op.backend})": P(op, *args_, out=out),
             }
+            try:  # the launch without the programmatic-dependent-launch attribute: its host cost
+                op_plain = make_op(dev, h, fmt, normed, max_tokens=64, pdl=False)
+                out_plain = op_plain.empty_output(1, inp.scale)
+                paths[f"  out=, pdl off ({op.backend})"] = P(op_plain, *args_, out=out_plain)
+            except Exception as exc:
+                errors[where + " pdl off"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                op_plain = None
             impl = getattr(op, "_table", [None, None])[1]  # the selected backend (private: a breakdown)
             fast = getattr(op, "_fast_table", [None, None])[1]
             if fast is not None:
@@ -354,6 +361,8 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
             for path, us in timed.items():
                 rows.append(key | {"path": path, "us": round(us, 3)})
             op.close()
+            if op_plain is not None:
+                op_plain.close()
 
 
 def prebuilt_launch(launcher: Any, tensors: tuple[Any, ...], h: int) -> Callable[[], Any] | None:

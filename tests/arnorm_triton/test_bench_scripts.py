@@ -58,8 +58,8 @@ def test_bench_public_op_smoke(tmp_path):
     text = md.read_text()
     assert "flashinfer 0.0-fake" in text and "Smoke run on CPU" in text
     assert "Error:" not in text and "Skipped:" not in text and "FAIL" not in text
-    for needle in ("launcher, outputs preallocated", "flashinfer (output preallocated)",
-                   "fi_fused_add_rmsnorm_quant", "pdl off", "x fi "):  # fmt: skip
+    for needle in ("launcher, outputs preallocated", "flashinfer (output preallocated)", "its fast path",
+                   "out=, pdl off", "fi_fused_add_rmsnorm_quant", "pdl off", "x fi "):  # fmt: skip
         assert needle in text, needle
     for fmt in ("none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"):
         assert f"| {fmt} | no |" in text or fmt == "none", fmt
@@ -80,3 +80,15 @@ def test_bench_norm_quant_tune_smoke(tmp_path):
         assert all(t_max >= 1 and warps >= 1 for t_max, warps in rows)
         assert [t for t, _ in rows] == sorted(t for t, _ in rows)
     assert (REPO / "arnorm_triton" / "_launch_measured.py").read_text() == before
+
+
+def test_bench_host_path_runs(tmp_path):
+    """bench_host_path.py times every column for every format (a few calls each, no claims)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_host_path.py"), "--number", "20", "--repeat", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert lines[0].startswith("| format | op call | op out= | fast path | core |")
+    assert len(lines) == 6 and all(line.count("|") == lines[0].count("|") for line in lines)

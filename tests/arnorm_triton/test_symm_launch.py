@@ -8,7 +8,7 @@ import torch
 from arnorm_triton import _kernels as K
 from arnorm_triton import _symm_kernels as S
 from arnorm_triton import _symm_launch as L
-from arnorm_triton._launch import _Bound
+from arnorm_triton._direct import Bound
 from arnorm_triton._symm_workspace import emulated, plan_layout
 
 H = 64
@@ -45,9 +45,9 @@ def recorded(monkeypatch):
 
         return call
 
-    bound = _Bound(run=lambda *a: calls["direct"].append(a), function="fn", mid=("m1", "m2"))
+    bound = Bound(run=lambda *a: calls["direct"].append(a), function="fn", mid=("m1", "m2"))
     monkeypatch.setattr(L, "_launcher", fake_launcher)
-    monkeypatch.setattr(L, "_bound_launchers", lambda compiled: [bound])
+    monkeypatch.setattr(L, "bound_launchers", lambda compiled: [bound])
     monkeypatch.setattr(L, "_stream_getter", lambda: lambda index: 7)
     monkeypatch.setattr(K, "INTERPRETED", False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -106,8 +106,8 @@ def test_bind_launches_the_same_number_of_times_when_outputs_differ(recorded, mo
     1 + BIND_TRIALS launches (the peers' flags stay in step)."""
     launcher, _ = _launcher()
     tensors = _tensors(3)
-    bad = _Bound(run=lambda *a: (recorded["direct"].append(a), tensors[4].fill_(1.0)), function="fn", mid=())
-    monkeypatch.setattr(L, "_bound_launchers", lambda compiled: [bad])
+    bad = Bound(run=lambda *a: (recorded["direct"].append(a), tensors[4].fill_(1.0)), function="fn", mid=())
+    monkeypatch.setattr(L, "bound_launchers", lambda compiled: [bad])
     assert not launcher.bind(tensors, 3, (H, H, H), two_shot=False)
     assert not launcher.fast
     assert len(recorded["ordinary"]) + len(recorded["direct"]) == 1 + L.BIND_TRIALS

@@ -18,6 +18,7 @@ import torch
 import triton
 from triton_cases import make_inputs
 
+import arnorm_triton._direct as direct_module
 import arnorm_triton._kernels as kernels
 import arnorm_triton._launch as launch_module
 from arnorm.quant import quantize
@@ -246,7 +247,7 @@ def _know(monkeypatch, cls) -> None:
     import inspect
 
     text = " ".join(inspect.getsource(cls.__call__).split())
-    monkeypatch.setattr(launch_module, "_KNOWN_CALL_SOURCES", {hashlib.sha256(text.encode()).hexdigest()})
+    monkeypatch.setattr(direct_module, "KNOWN_CALL_SOURCES", {hashlib.sha256(text.encode()).hexdigest()})
 
 
 def test_a_launcher_of_known_source_is_called_through_its_c_launch(monkeypatch):
@@ -256,7 +257,7 @@ def test_a_launcher_of_known_source_is_called_through_its_c_launch(monkeypatch):
     known = _KnownLauncher(fake.compiled)
     monkeypatch.setattr(fake.compiled, "run", known)
     _know(monkeypatch, _KnownLauncher)
-    bounds = launch_module._bound_launchers(fake.compiled)
+    bounds = direct_module.bound_launchers(fake.compiled)
     assert [b.run for b in bounds] == [known.launch, known]
     assert bounds[0].mid == (False, True, None, None, fake.compiled.packed_metadata, None, None, None)
     launcher = _launcher("nvfp4", "swizzled_128x4")
@@ -270,9 +271,9 @@ def test_a_launcher_of_known_source_is_called_through_its_c_launch(monkeypatch):
     for a, b in zip(ptrs[4:], expect, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     monkeypatch.setattr(fake.compiled, "run", _KnownLauncher(fake.compiled, scratch=64))
-    assert [b.run for b in launch_module._bound_launchers(fake.compiled)] == [fake.compiled.run]
-    monkeypatch.setattr(launch_module, "_KNOWN_CALL_SOURCES", frozenset())
-    assert [b.run for b in launch_module._bound_launchers(fake.compiled)] == [fake.compiled.run]
+    assert [b.run for b in direct_module.bound_launchers(fake.compiled)] == [fake.compiled.run]
+    monkeypatch.setattr(direct_module, "KNOWN_CALL_SOURCES", frozenset())
+    assert [b.run for b in direct_module.bound_launchers(fake.compiled)] == [fake.compiled.run]
 
 
 def test_a_launch_hook_sends_launches_the_ordinary_way(monkeypatch):
