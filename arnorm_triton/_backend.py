@@ -282,9 +282,9 @@ class TritonBackend:
                 y, q, sf = alloc(t)
                 h_out = x if inplace else x.new_empty(t, h)
             else:
-                y, oq = out.normed, out.quant
+                y, r_out, oq = out  # Output is (normed, residual, quant): unpacking beats three reads
                 q, sf = (None, None) if oq is None else (oq.data, oq.scale if own_scales else None)
-                h_out = x if inplace else out.residual
+                h_out = x if inplace else r_out
             hp = xp if inplace else h_out.data_ptr()
             if res is None:  # add_residual=False: the kernel never reads it; any aligned pointer
                 res, rp = w, wp
