@@ -295,74 +295,67 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
     """Host time per eager call at T = 1, with the breakdown of arnorm's. Every path of one case is
     timed round by round in turn (``dev.eager_all``), so a slow phase of the lent host's CPU hits
     arnorm and FlashInfer alike instead of whichever ran then."""
-    import torch
-
     rows, errors = report["eager"], report["errors"]
-    P = functools.partial
     for h in args.hidden:
         for fmt, normed in (("none", True), ("fp8_static", False), ("fp8_static", True)):
             where = f"eager H={h} {fmt} normed={normed}"
             inp = Inputs(dev, 1, h, fmt)
+            ops = []
             try:
-                op = make_op(dev, h, fmt, normed, max_tokens=64)
-            except Exception as exc:
-                errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                continue
-            x = inp.x.clone()
-            key = {"H": h, "format": fmt, "normed": normed}
-            args_ = (x, inp.r, inp.w, inp.scale)
-            out = op.empty_output(1, inp.scale)
-            paths: dict[str, Callable[[], Any]] = {
-                f"arnorm.AllReduceNorm ({op.backend})": P(op, *args_),
-                f"arnorm.AllReduceNorm out= ({op.backend})": P(op, *args_, out=out),
-            }
-            try:  # the launch without the programmatic-dependent-launch attribute: its host cost
-                op_plain = make_op(dev, h, fmt, normed, max_tokens=64, pdl=False)
-                out_plain = op_plain.empty_output(1, inp.scale)
-                paths[f"  out=, pdl off ({op.backend})"] = P(op_plain, *args_, out=out_plain)
-            except Exception as exc:
-                errors[where + " pdl off"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                op_plain = None
-            impl = getattr(op, "_table", [None, None])[1]  # the selected backend (private: a breakdown)
-            fast = getattr(op, "_fast_table", [None, None])[1]
-            if fast is not None:
-                ptrs = (
-                    x.data_ptr(),
-                    inp.r.data_ptr(),
-                    inp.w.data_ptr(),
-                    0 if inp.scale is None else inp.scale.data_ptr(),
-                )
-                paths["  its fast path, out=, pointers given"] = P(fast, 1, *args_, out, *ptrs)
-            if impl is not None:
-                paths["  backend __call__ (allocating)"] = P(impl, *args_)
-                launcher = getattr(impl, "launcher", None)
-                if launcher is not None:
-                    y, q, sf = impl._alloc(1)
-                    label = "  launcher, outputs preallocated" + ("" if launcher.fast else " (kernel[grid])")
-                    paths[label] = P(launcher.launch, x, inp.r, inp.w, inp.scale, x, y, q, sf, 1, h, h, h)
-                    c_call = prebuilt_launch(launcher, (x, inp.r, inp.w, inp.scale, x, y, q, sf), h)
-                    if c_call is not None:
-                        paths["    its C launch alone (arguments prebuilt)"] = c_call
-            paths["  one torch.empty((1, H))"] = P(
-                torch.empty, (1, h), dtype=torch.bfloat16, device=dev.device
-            )
-            for alloc in (False, True):
-                call = fi_call(fi, inp, normed, alloc_per_call=alloc)
-                if call is not None:
-                    paths[
-                        "flashinfer" + (" + torch.empty of its output" if alloc else " (output preallocated)")
-                    ] = call
-            try:
-                timed = dev.eager_all(paths, args.iters)
+                ops.append(make_op(dev, h, fmt, normed, max_tokens=64))
+                # the launch without the programmatic-dependent-launch attribute: its host cost
+                ops.append(make_op(dev, h, fmt, normed, max_tokens=64, pdl=False))
+                timed = dev.eager_all(eager_paths(dev, fi, inp, normed, *ops), args.iters)
             except Exception as exc:
                 errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"  {where} failed: {errors[where]}", flush=True)
                 timed = {}
+            key = {"H": h, "format": fmt, "normed": normed}
             for path, us in timed.items():
                 rows.append(key | {"path": path, "us": round(us, 3)})
-            op.close()
-            if op_plain is not None:
-                op_plain.close()
+            for op in ops:
+                op.close()
+
+
+def eager_paths(
+    dev: Any, fi: Any, inp: Inputs, normed: bool, op: Any, op_plain: Any
+) -> dict[str, Callable[[], Any]]:
+    """Label -> a call to time, for one case: the public op and its breakdown, then FlashInfer's.
+    Every call is a lambda, as FlashInfer's are (a partial with a keyword argument costs more)."""
+    import torch
+
+    h = inp.h
+    x, r, w, s = inp.x.clone(), inp.r, inp.w, inp.scale
+    out, out_plain = op.empty_output(1, s), op_plain.empty_output(1, s)
+    paths: dict[str, Callable[[], Any]] = {
+        f"arnorm.AllReduceNorm ({op.backend})": lambda: op(x, r, w, s),
+        f"arnorm.AllReduceNorm out= ({op.backend})": lambda: op(x, r, w, s, out=out),
+        f"  out=, pdl off ({op_plain.backend})": lambda: op_plain(x, r, w, s, out=out_plain),
+    }
+    impl = getattr(op, "_table", [None, None])[1]  # the selected backend (private: a breakdown)
+    fast = getattr(op, "_fast_table", [None, None])[1]
+    if fast is not None:
+        xp, rp, wp, sp = x.data_ptr(), r.data_ptr(), w.data_ptr(), 0 if s is None else s.data_ptr()
+        paths["  its fast path, out=, pointers given"] = lambda: fast(1, x, r, w, s, out, xp, rp, wp, sp)
+    if impl is not None:
+        paths["  backend __call__ (allocating)"] = lambda: impl(x, r, w, s)
+        launcher = getattr(impl, "launcher", None)
+        if launcher is not None:
+            y, q, sf = impl._alloc(1)
+            label = "  launcher, outputs preallocated" + ("" if launcher.fast else " (kernel[grid])")
+            launch = launcher.launch
+            paths[label] = lambda: launch(x, r, w, s, x, y, q, sf, 1, h, h, h)
+            c_call = prebuilt_launch(launcher, (x, r, w, s, x, y, q, sf), h)
+            if c_call is not None:
+                paths["    its C launch alone (arguments prebuilt)"] = c_call
+    paths["  one torch.empty((1, H))"] = lambda: torch.empty((1, h), dtype=torch.bfloat16, device=dev.device)
+    for alloc in (False, True):
+        call = fi_call(fi, inp, normed, alloc_per_call=alloc)
+        if call is not None:
+            paths["flashinfer" + (" + torch.empty of its output" if alloc else " (output preallocated)")] = (
+                call
+            )
+    return paths
 
 
 def prebuilt_launch(launcher: Any, tensors: tuple[Any, ...], h: int) -> Callable[[], Any] | None:
