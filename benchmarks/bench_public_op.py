@@ -102,8 +102,8 @@ class CudaDevice:
         del graph
         return statistics.median(times)
 
-    def eager_all(self, fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
-        """Host microseconds per call of each of ``fns``: best of 9 rounds, each round timing
+    def eager_all(self, fns: dict[str, Callable[[], Any]], iters: int, rounds: int = 9) -> dict[str, float]:
+        """Host microseconds per call of each of ``fns``: best of ``rounds`` rounds, each round timing
         ``iters`` calls of every function in turn (at T = 1 the GPU finishes each call long before
         the host issues the next, so the host is the cost)."""
         for fn in fns.values():
@@ -111,7 +111,7 @@ class CudaDevice:
                 fn()
         self.sync()
         best = dict.fromkeys(fns, float("inf"))
-        for _ in range(9):  # best of 9: a lent machine's host has bursts of other work
+        for _ in range(rounds):  # best of several: a lent machine's host has bursts of other work
             for name, fn in fns.items():
                 t0 = time.perf_counter()
                 for _ in range(iters):
@@ -141,7 +141,7 @@ class CpuDevice:
             fn()
         return (time.perf_counter() - t0) / calls * 1e6
 
-    def eager_all(self, fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
+    def eager_all(self, fns: dict[str, Callable[[], Any]], iters: int, rounds: int = 1) -> dict[str, float]:
         return {name: self.graph_us(fn, iters, 1) for name, fn in fns.items()}
 
 
@@ -305,7 +305,7 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
                 ops.append(make_op(dev, h, fmt, normed, max_tokens=64))
                 # the launch without the programmatic-dependent-launch attribute: its host cost
                 ops.append(make_op(dev, h, fmt, normed, max_tokens=64, pdl=False))
-                timed = dev.eager_all(eager_paths(dev, fi, inp, normed, *ops), args.iters)
+                timed = dev.eager_all(eager_paths(dev, fi, inp, normed, *ops), args.iters, args.eager_rounds)
             except Exception as exc:
                 errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"  {where} failed: {errors[where]}", flush=True)
@@ -497,7 +497,12 @@ def markdown(report: dict) -> str:
     ]
     lines += [f"Error: {k}: {v}" for k, v in report["errors"].items()]
     lines += [f"Skipped: {s}" for s in report["skipped"]]
-    lines += ["", f"## Eager host time per call, T = 1 ({report['iters']} calls, best of 9)", ""]
+    lines += [
+        "",
+        f"## Eager host time per call, T = 1 ({report['iters']} calls, "
+        f"best of {report['eager_rounds']} interleaved rounds)",
+        "",
+    ]
     lines += ["| H | format | normed out | path | us/call | verdict |", "|---:|---|---|---|---:|---|"]
     for r in report["eager"]:
         normed = "yes" if r["normed"] else "no"
@@ -532,6 +537,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--replays", type=int, default=7)
     p.add_argument("--iters", type=int, default=2000, help="eager calls per timing")
+    p.add_argument("--eager-rounds", type=int, default=9, help="eager rounds (best of) per path")
     p.add_argument("--deadline", type=float, default=150.0, help="seconds; later graph rows are skipped")
     p.add_argument("--no-flashinfer", action="store_true", help="do not import FlashInfer")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
@@ -564,8 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": "CPU (smoke)" if args.smoke else torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__, "flashinfer": fi_version,
         "smoke": args.smoke, "copy_bw": copies, "copy_bw_best": bw, "calls": args.calls,
-        "replays": args.replays, "iters": args.iters, "checks": {}, "errors": {}, "skipped": [],
-        "eager": [], "graph": [],
+        "replays": args.replays, "iters": args.iters, "eager_rounds": args.eager_rounds, "checks": {},
+        "errors": {}, "skipped": [], "eager": [], "graph": [],
     }  # fmt: skip
     with torch.no_grad():
         eager_section(args, dev, fi, report)
