@@ -164,15 +164,23 @@ def _store_block_scales(sf_ptr, vals, row, blk, K: tl.constexpr, SWIZZLED: tl.co
 def zero_padding_rows(sf_ptr, pad_program, n_rows, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
                       GROUP: tl.constexpr):  # fmt: skip
     """Zero the swizzled scale rows ``[T + 32 p, T + 32 p + 32)`` below ``round_up(T, 128)``
-    (``p = pad_program``; :func:`padding_programs` of them cover every padding row)."""
+    (``p = pad_program``; :func:`padding_programs` of them cover every padding row).
+
+    A row's scales of blocks ``4 g .. 4 g + 3`` are 4 contiguous bytes of the swizzle (``k % 4``
+    is the innermost term), so each is zeroed as one 32-bit word at a 4-byte aligned offset: a
+    quarter of the byte stores, which at decode sizes (T < 128: up to 127 padding rows) are on
+    the critical path of the launch."""
     NB: tl.constexpr = BLOCK // GROUP
     K: tl.constexpr = HIDDEN // GROUP
     KP: tl.constexpr = (K + 3) // 4 * 4
     rows = n_rows + pad_program * PAD_ROWS_PER_PROGRAM + tl.arange(0, PAD_ROWS_PER_PROGRAM)[:, None]
-    blk = tl.arange(0, NB)[None, :]
-    mask = (rows < (n_rows + 127) // 128 * 128) & (blk < KP)
+    g = tl.arange(0, NB // 4)[None, :]  # NB is a power of two >= 4, so this is one too
+    mask = (rows < (n_rows + 127) // 128 * 128) & (g < KP // 4)
+    words = sf_ptr.to(tl.pointer_type(tl.int32))
     tl.store(
-        sf_ptr + _swizzled_offset(rows, blk, KP), tl.zeros([PAD_ROWS_PER_PROGRAM, NB], tl.uint8), mask=mask
+        words + _swizzled_offset(rows, g * 4, KP) // 4,
+        tl.zeros([PAD_ROWS_PER_PROGRAM, NB // 4], tl.int32),
+        mask=mask,
     )
 
 

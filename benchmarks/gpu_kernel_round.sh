@@ -13,6 +13,7 @@
 # Everything lands in $OUT (at most 8 files): summary.txt, gpu-tests.log, run.log,
 # launch-table-<date>.md, _launch_measured.py (commit it as arnorm_triton/_launch_measured.py),
 # public-op-<date>-<gpu>.md/.json. Never aborts on a failing step; about 8 minutes at most.
+# SKIP_TABLE=1 keeps the committed launch table; BENCH_ARGS adds arguments to step 5.
 # CPU dry run of every step (what tests/arnorm_triton/test_bench_scripts.py does): SMOKE=1 runs the
 # benchmarks with --smoke, and GPU_SETUP names a setup script to source instead of gpu_setup.sh.
 OUT="${OUT:-/tmp/out}"
@@ -103,7 +104,9 @@ else
   log "$(grep 'norm kernels ready' /tmp/fi-warmup.log)"
 fi
 log "public op bench"
-timeout 160 python3 benchmarks/bench_public_op.py "${SMOKE_ARGS[@]}" --deadline 120 --out "$OUT" "${FI_ARGS[@]}" >> "$OUT/run.log" 2>&1
+# BENCH_ARGS: extra arguments, e.g. BENCH_ARGS="--eager-rounds 25".
+# shellcheck disable=SC2086
+timeout 200 python3 benchmarks/bench_public_op.py "${SMOKE_ARGS[@]}" --deadline 160 --out "$OUT" "${FI_ARGS[@]}" ${BENCH_ARGS:-} >> "$OUT/run.log" 2>&1
 log "public op bench exit $?"
 
 # Summary: the verdict rows of the public-op table.
