@@ -5,7 +5,8 @@ variant's own launcher (``CompiledKernel.run``, a C function on a GPU) takes pla
 pointers as they are. :func:`bound_launchers` says how one compiled variant may be called that
 way; the launchers (:mod:`arnorm_triton._launch`, :mod:`arnorm_triton._symm_launch`) check each
 candidate bit for bit against ``kernel[grid]`` before using it, and take the ordinary path while
-a profiler's launch hook is installed (:func:`hooks_active`).
+a profiler's launch hook is installed: ``RUNTIME.launch_enter_hook`` is neither ``None`` nor an
+empty ``HOOK_CHAIN`` (a test both launchers make inline, per launch).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple
 
 import triton
 
-__all__ = ["HOOK_CHAIN", "KNOWN_CALL_SOURCES", "RUNTIME", "Bound", "bound_launchers", "hooks_active"]
+__all__ = ["HOOK_CHAIN", "KNOWN_CALL_SOURCES", "RUNTIME", "Bound", "bound_launchers"]
 
 
 class Bound(NamedTuple):
@@ -69,10 +70,3 @@ RUNTIME: Any = getattr(_KNOBS, "runtime", None) or _NoKnobs()
 #: Since Triton 3.5 the hook is a ``HookChain`` that is never ``None``; an empty chain means no
 #: hook. Anything else that is not ``None`` (a function assigned as in Triton 3.4) is a hook.
 HOOK_CHAIN: Any = getattr(_KNOBS, "HookChain", None) or _NoKnobs
-
-
-def hooks_active() -> bool:
-    """Whether a launch-enter hook (a profiler such as proton) is installed; the test
-    :meth:`arnorm_triton._launch.FusedLauncher.launch_pointers` makes inline."""
-    hook = RUNTIME.launch_enter_hook
-    return hook is not None and not (type(hook) is HOOK_CHAIN and not hook.calls)

@@ -180,7 +180,7 @@ class FusedLauncher:
                 return False
         elif (xp | rp | wp | hp | yp | qp | sfp) & 15 or x_stride == 1 or res_stride == 1 or h_stride == 1:
             return False
-        hook = RUNTIME.launch_enter_hook  # hooks_active(), inline
+        hook = RUNTIME.launch_enter_hook  # a profiler's hook: the ordinary launch
         if hook is not None and not (type(hook) is HOOK_CHAIN and not hook.calls):
             return False
         run(
