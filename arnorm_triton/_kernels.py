@@ -57,7 +57,6 @@ __all__ = [
     "PAD_ROWS_PER_PROGRAM",
     "QUANT_CODES",
     "fused_add_rmsnorm_quant_kernel",
-    "load_weight",
     "norm_quant_epilogue",
     "padding_programs",
     "row_offsets",
@@ -186,20 +185,8 @@ def zero_padding_rows(sf_ptr, pad_program, n_rows, HIDDEN: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def load_weight(w_ptr, weight_offset, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                VEC: tl.constexpr, QUANT: tl.constexpr, SOFT: tl.constexpr):  # fmt: skip
-    """The norm weight as :func:`norm_quant_epilogue` takes it: ``fp32(w) + weight_offset`` in
-    :func:`row_offsets` order (``WHOLE = QUANT == 3``), lanes ``>= HIDDEN`` zero plus the offset.
-
-    Callers load it first, before the row's data: ptxas keeps the program's load order, and a
-    weight requested after the row's loads arrives after them, on the path to the normalize."""
-    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
-    return to_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0), SOFT) + weight_offset
-
-
-@triton.jit
 def norm_quant_epilogue(
-    s, row, res_ptr, res_stride, h_ptr, h_stride, w, scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
+    s, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
     SOFT: tl.constexpr, SOFT_FP8: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True,
@@ -216,7 +203,7 @@ def norm_quant_epilogue(
         h_ptr, h_stride: new residual output ``h = D(s + res)`` in ``D``, row ``t`` at
             ``h_ptr + t * h_stride``. ``D`` is taken from ``h_ptr``'s element type. May be the
             buffer ``s`` was read from (each element is read before it is written).
-        w: the norm weight, fp32 with the offset added (1 for Gemma): :func:`load_weight`'s result.
+        w_ptr: norm weight ``[H]`` in ``D``. ``weight_offset``: fp32, added to it (1 for Gemma).
         scale_ptr: fp32 ``[1]``: fp8_static dequant scale / nvfp4 global encode scale (read only
             for those formats; any pointer otherwise).
         y_ptr: normed output, contiguous ``[T, H]`` in ``D``; written when ``WRITE_NORMED``.
@@ -234,7 +221,7 @@ def norm_quant_epilogue(
             is never read.
 
     Writes exactly: ``h`` row ``t``; ``y`` row ``t`` (WRITE_NORMED); codes row ``t`` and this row's
-    scales (QUANT > 0). Reads ``res`` and ``scale`` and nothing else; no barrier beyond the
+    scales (QUANT > 0). Reads ``res``, ``w``, ``scale`` and nothing else; no barrier beyond the
     row reductions, so it may run for several rows per program. Callers using programmatic
     dependent launch must have waited (``gdc_wait``) before calling it.
     """
@@ -246,15 +233,14 @@ def norm_quant_epilogue(
     offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, WHOLE)
     row64 = row.to(tl.int64)
 
-    # Every load first: the scale leaves the critical path of the reductions.
+    # Every load first: the weight and the scale leave the critical path of the reductions.
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
+    w = to_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0), SOFT) + weight_offset
     if QUANT == 1 or QUANT == 3:
         scale = tl.load(scale_ptr)
     else:
         scale = 1.0
-    if QUANT == 1:  # here, not at its use: ptxas keeps the division's slow-path branch where it is written
-        inv_scale = tl.div_rn(1.0, scale)
 
     # Step 2: h = D(s + res), rounded before the statistic (the contract's order).
     if HAS_RESIDUAL:
@@ -265,11 +251,7 @@ def norm_quant_epilogue(
     hf = to_fp32(h, SOFT)
 
     # Step 3: y, with a correctly rounded mean, square root and reciprocal.
-    ssq = tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=SAX), axis=0)
-    if (HIDDEN & (HIDDEN - 1)) == 0:  # x / 2**k is exact as x * 2**-k: the same rounding, no division
-        mean_sq = ssq * (1.0 / HIDDEN)
-    else:
-        mean_sq = tl.div_rn(ssq, HIDDEN * 1.0)
+    mean_sq = tl.div_rn(tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=SAX), axis=0), HIDDEN * 1.0)
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
     n = hf * inv_rms
     if ROUND_BEFORE_WEIGHT:
@@ -282,7 +264,7 @@ def norm_quant_epilogue(
 
     # Step 4: the quantizer reads the D-rounded y; amaxes propagate NaN as torch's amax does.
     if QUANT == 1:  # fp8_static: satfinite_rn(y * fp32(1 / scale))
-        tl.store(q_ptr + base + offs, e4m3_bits(yf * inv_scale, SOFT_FP8), mask=mask)
+        tl.store(q_ptr + base + offs, e4m3_bits(yf * tl.div_rn(1.0, scale), SOFT_FP8), mask=mask)
     elif QUANT == 2:  # fp8_per_token: scale_t = max(amax_t / 448, 1 / (448 * 512)), q = y / scale_t
         amax = abs_max(abs_max(abs_max(yf, 2), 1), 0)
         tok_scale = tl.maximum(tl.div_rn(amax, E4M3_MAX), _MIN_TOKEN_SCALE, propagate_nan=tl.PropagateNan.ALL)
@@ -355,28 +337,24 @@ def fused_add_rmsnorm_quant_kernel(
     its first load, and lets the next grid launch only after every store of this program.
     """
     row = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     if row < n_rows:
         offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
         row64 = row.to(tl.int64)
-        x_row = x_ptr + row64 * x_stride + offs
-        if USE_PDL:  # the addresses above need nothing from the preceding grid; every load does
-            tl.extra.cuda.gdc_wait()
-        w = load_weight(w_ptr, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SOFT)
         # Step 1: s. Exact mode sums the gathered partials in fp32 from rank 0 up, one rounding to D.
-        acc = to_fp32(tl.load(x_row, mask=mask, other=0.0), SOFT)
+        acc = to_fp32(tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0), SOFT)
         if NUM_PARTIALS > 1:
             partial = n_rows.to(tl.int64) * x_stride
             for r in tl.static_range(1, NUM_PARTIALS):
                 x = tl.load(x_ptr + r * partial + row64 * x_stride + offs, mask=mask, other=0.0)
                 acc = acc + to_fp32(x, SOFT)
             acc = to_fp32(to_dtype_rne(acc, h_ptr.dtype.element_ty, SOFT), SOFT)
-        norm_quant_epilogue(acc, row, res_ptr, res_stride, h_ptr, h_stride, w, scale_ptr, y_ptr, q_ptr,
+        norm_quant_epilogue(acc, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr,
                             sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
                             WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, HAS_RESIDUAL)  # fmt: skip
     else:
         if SWIZZLED:
-            if USE_PDL:  # the preceding grid may still read the scales these programs overwrite
-                tl.extra.cuda.gdc_wait()
             zero_padding_rows(sf_ptr, row - n_rows, n_rows, HIDDEN, BLOCK, GROUP)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from arnorm_triton._casts import to_dtype_rne, to_fp32
-from arnorm_triton._kernels import load_weight, norm_quant_epilogue, row_offsets, zero_padding_rows
+from arnorm_triton._kernels import norm_quant_epilogue, row_offsets, zero_padding_rows
 
 __all__ = ["DONE", "READY", "SUMS", "symm_allreduce_norm_kernel", "symm_wait_done_kernel"]
 
@@ -197,7 +197,6 @@ def symm_allreduce_norm_kernel(
     # is published from registers and summed from registers.
     b64 = tl.cast(b, tl.int64)
     mine = tl.load(x_ptr + b64 * x_stride + offs, mask=mask, other=0.0)
-    w = load_weight(w_ptr, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SOFT)  # once for all its rows
 
     # Part 1: publish this rank's rows, then wait for every rank's.
     if STAGE == 0 or STAGE == 1:
@@ -224,14 +223,14 @@ def symm_allreduce_norm_kernel(
                 if n_rows <= SLOTS:
                     # This program's only row is read: release the peers' rows before the epilogue.
                     _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
-            norm_quant_epilogue(s, b64, res_ptr, res_stride, h_ptr, h_stride, w, scale_ptr, y_ptr,
+            norm_quant_epilogue(s, b64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
                                 q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
                                 SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
             for row in range(b + SLOTS, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
                 s = _rank_order_sum(peers_ptr, in_off, row64, offs, mask, mine, False, rank, HIDDEN, WORLD,
                                     DTYPE, SOFT)  # fmt: skip
-                norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w, scale_ptr, y_ptr,
+                norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
                                     q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
                                     SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
         if (STAGE == 0 or STAGE == 3) and SYNC:  # noqa: SIM102
@@ -259,7 +258,7 @@ def symm_allreduce_norm_kernel(
                 owner = (b + row // SLOTS) % WORLD
                 v = tl.load(_region(peers_ptr, owner, sum_off, DTYPE) + row64 * HIDDEN + offs, mask=mask,
                             other=0.0)  # fmt: skip
-                norm_quant_epilogue(to_fp32(v, SOFT), row64, res_ptr, res_stride, h_ptr, h_stride, w,
+                norm_quant_epilogue(to_fp32(v, SOFT), row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr,
                                     scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK,
                                     GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
                                     SOFT_FP8)  # fmt: skip
