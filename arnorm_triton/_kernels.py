@@ -251,7 +251,11 @@ def norm_quant_epilogue(
     hf = to_fp32(h, SOFT)
 
     # Step 3: y, with a correctly rounded mean, square root and reciprocal.
-    mean_sq = tl.div_rn(tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=SAX), axis=0), HIDDEN * 1.0)
+    ssq = tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=SAX), axis=0)
+    if (HIDDEN & (HIDDEN - 1)) == 0:  # x / 2**k is exact as x * 2**-k: the same rounding, no division
+        mean_sq = ssq * (1.0 / HIDDEN)
+    else:
+        mean_sq = tl.div_rn(ssq, HIDDEN * 1.0)
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
     n = hf * inv_rms
     if ROUND_BEFORE_WEIGHT:
@@ -337,13 +341,14 @@ def fused_add_rmsnorm_quant_kernel(
     its first load, and lets the next grid launch only after every store of this program.
     """
     row = tl.program_id(0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
     if row < n_rows:
         offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
         row64 = row.to(tl.int64)
+        x_row = x_ptr + row64 * x_stride + offs
+        if USE_PDL:  # the addresses above need nothing from the preceding grid; every load does
+            tl.extra.cuda.gdc_wait()
         # Step 1: s. Exact mode sums the gathered partials in fp32 from rank 0 up, one rounding to D.
-        acc = to_fp32(tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0), SOFT)
+        acc = to_fp32(tl.load(x_row, mask=mask, other=0.0), SOFT)
         if NUM_PARTIALS > 1:
             partial = n_rows.to(tl.int64) * x_stride
             for r in tl.static_range(1, NUM_PARTIALS):
@@ -355,6 +360,8 @@ def fused_add_rmsnorm_quant_kernel(
                             WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, HAS_RESIDUAL)  # fmt: skip
     else:
         if SWIZZLED:
+            if USE_PDL:  # the preceding grid may still read the scales these programs overwrite
+                tl.extra.cuda.gdc_wait()
             zero_padding_rows(sf_ptr, row - n_rows, n_rows, HIDDEN, BLOCK, GROUP)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
