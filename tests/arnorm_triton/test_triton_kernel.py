@@ -198,26 +198,3 @@ def test_eps_and_non_power_of_two_hidden(dtype):
     problem = make_problem(1000, dtype, "fp8_per_token", eps=0.5, device=DEVICE)
     out = make_backend(problem)(partials[0].clone() * 0.01, residual, weight, None)
     check_output(out, partials[0] * 0.01, residual, weight, problem, None)
-
-
-@triton.jit
-def _mean_kernel(x_ptr, eps, div_ptr, mul_ptr, N: tl.constexpr, HIDDEN: tl.constexpr):
-    offs = tl.arange(0, N)
-    x = tl.load(x_ptr + offs)
-    tl.store(div_ptr + offs, tl.div_rn(x, HIDDEN * 1.0) + eps)
-    tl.store(mul_ptr + offs, x * (1.0 / HIDDEN) + eps)  # compiled, this product and sum may fuse to an fma
-
-
-@pytest.mark.parametrize("hidden", [16, 4096, 8192, 16384])
-@pytest.mark.parametrize("eps", [0.0, 1e-6])
-def test_power_of_two_mean_is_the_division(hidden, eps):
-    """For H a power of two, x * (1/H) (+ eps, fused or not) equals div_rn(x, H) (+ eps) bit for bit,
-    over sums of squares from subnormal to the fp32 maximum: the epilogue's mean skips the division."""
-    g = torch.Generator().manual_seed(hidden)
-    n = 4096
-    bits = torch.randint(0, 0x7F800000, (n,), generator=g, dtype=torch.int64).to(torch.int32)
-    bits[:64] = torch.arange(64, dtype=torch.int32)  # the smallest subnormals, where x / H underflows
-    x = bits.view(torch.float32).to(DEVICE)
-    by_div, by_mul = torch.empty_like(x), torch.empty_like(x)
-    _mean_kernel[(1,)](x, eps, by_div, by_mul, N=n, HIDDEN=hidden)
-    assert torch.equal(by_div.view(torch.int32), by_mul.view(torch.int32))
