@@ -1,0 +1,156 @@
+"""A/B of ``triton`` kernel variants through the public op, on one GPU, in one process.
+
+Each variant is a copy of ``arnorm_triton/_kernels.py`` (a file path; ``git show
+<commit>:arnorm_triton/_kernels.py > old.py`` makes one of an older commit). For each, the script
+builds ``AllReduceNorm(arnorm.LOCAL, ...)`` ops with that module standing in for the kernel module
+(``arnorm_triton._launch.K``), checks every output of every cell bit for bit against the first
+variant's, then times the cells by CUDA-graph replay (bench_public_op's ``graph_us``) in
+interleaved rounds, so drift of the lent host falls on every variant alike. On one host the
+variants compare; across hosts they do not (benchmarks/results/README.md).
+
+    python3 benchmarks/lab_kernel_variants.py old=old.py new=arnorm_triton/_kernels.py \\
+        [--cells decode,bw] [--rounds 5] [--flashinfer]
+
+Prints one markdown table: microseconds per call (median over rounds of the median of 9 replays of
+20 calls) and, at T 8192, the fraction of copy bandwidth. ``--smoke``: CPU, Triton interpreter,
+tiny shapes, no timing claims (tests/arnorm_triton/test_bench_scripts.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: (H, format, normed output, T) per preset.
+CELLS = {
+    "decode": [
+        *[(8192, "fp8_static", False, t) for t in (1, 16, 128)],
+        (8192, "none", True, 1),
+        (8192, "none", True, 128),
+        (4096, "fp8_static", False, 128),
+    ],
+    "bw": [
+        (4096, "fp8_static", True, 8192),
+        (8192, "fp8_static", True, 8192),
+        (8192, "fp8_static", False, 8192),
+        (8192, "mxfp8", True, 8192),
+        (4096, "nvfp4", False, 8192),
+        (8192, "nvfp4", True, 8192),
+    ],
+    "smoke": [(64, "fp8_static", False, 3), (64, "nvfp4", True, 5)],
+}
+
+
+def load_variant(name: str, path: str) -> Any:
+    """Import ``path`` as a module of its own (Triton reads a kernel's source from its file)."""
+    spec = importlib.util.spec_from_file_location(f"kernel_variant_{name}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def outputs(result: Any) -> list[Any]:
+    """Every tensor of an ``Output``, as bytes (clones: the next call reuses the buffers)."""
+    import torch
+
+    quant = result.quant
+    tensors = [result.residual, result.normed] + ([] if quant is None else [quant.data, quant.scale])
+    return [None if t is None else t.detach().clone().view(torch.uint8) for t in tensors]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "variants", nargs="+", help="NAME=PATH of a copy of arnorm_triton/_kernels.py (first: reference)"
+    )
+    p.add_argument("--cells", default="decode,bw", help="comma-separated presets: " + ", ".join(CELLS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--flashinfer", action="store_true", help="FlashInfer rows for the cells it serves")
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no claims")
+    args = p.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from bench_public_op import CpuDevice, CudaDevice, Inputs, bytes_moved, copy_bandwidth, fi_call, make_op
+
+    import arnorm_triton._launch as launch
+
+    variants = {}
+    for spec in args.variants:
+        name, _, path = spec.partition("=")
+        variants[name] = load_variant(name, path)
+    cells = [c for preset in ("smoke",) if args.smoke for c in CELLS[preset]] or [
+        c for preset in args.cells.split(",") for c in CELLS[preset]
+    ]
+    dev = CpuDevice() if args.smoke else CudaDevice()
+    fi = None
+    if args.flashinfer and not args.smoke:
+        import flashinfer.norm as fi
+    bw = 0.0 if args.smoke else max(copy_bandwidth(dev, 512 << 20).values())
+    kernels = launch.K
+    ops: dict[tuple[str, tuple[Any, ...]], Any] = {}
+    exact: dict[tuple[str, tuple[Any, ...]], bool] = {}
+    reference: dict[tuple[Any, ...], list[Any]] = {}
+    inputs = {c: Inputs(dev, c[3], c[0], c[1]) for c in cells}
+    t0 = time.time()
+    with torch.no_grad():
+        try:
+            for name, module in variants.items():
+                launch.K = module  # read at each op's construction and compile
+                for c in cells:
+                    inp = inputs[c]
+                    op = make_op(dev, c[0], c[1], c[2], max_tokens=c[3])
+                    x = inp.x.clone()
+                    got = outputs(op(x, inp.r, inp.w, inp.scale))
+                    ref = reference.setdefault(c, got)
+                    exact[(name, c)] = all(
+                        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                        for a, b in zip(ref, got, strict=True)
+                    )
+                    ops[(name, c)] = (op, x)
+                print(f"{name}: built in {time.time() - t0:.0f} s", flush=True)
+        finally:
+            launch.K = kernels
+        times: dict[tuple[str, tuple[Any, ...]], list[float]] = {}
+        for _ in range(1 if args.smoke else args.rounds):
+            for c in cells:
+                inp = inputs[c]
+                for name in variants:
+                    op, x = ops[(name, c)]
+                    us = dev.graph_us(lambda op=op, x=x, inp=inp: op(x, inp.r, inp.w, inp.scale), 20, 9)
+                    times.setdefault((name, c), []).append(us)
+                fc = fi_call(fi, inp, c[2]) if fi is not None else None
+                if fc is not None:
+                    times.setdefault(("flashinfer", c), []).append(dev.graph_us(fc, 20, 9))
+    names = list(variants) + (["flashinfer"] if fi is not None else [])
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; us per call (median over rounds); (fraction of copy bw)")
+    print("| H | format | normed | T | " + " | ".join(names) + " |")
+    print("|---:|---|---|---:|" + "---:|" * len(names))
+    for c in cells:
+        row = []
+        for name in names:
+            if (name, c) not in times:
+                row.append("-")
+                continue
+            us = statistics.median(times[(name, c)])
+            moved = bytes_moved(c[3], c[0], c[1], c[2])
+            frac = f" ({moved / (us * 1e-6) / bw:.3f})" if bw and c[3] >= 8192 else ""
+            bad = "" if exact.get((name, c), True) else " NOT EXACT"
+            row.append(f"{us:.2f}{frac}{bad}")
+        normed = "yes" if c[2] else "no"
+        print(f"| {c[0]} | {c[1]} | {normed} | {c[3]} | " + " | ".join(row) + " |", flush=True)
+    if not all(exact.values()):
+        sys.exit("lab_kernel_variants: a variant's outputs differ from the first variant's (NOT EXACT rows)")
+
+
+if __name__ == "__main__":
+    main()
