@@ -11,9 +11,11 @@ variants compare; across hosts they do not (benchmarks/results/README.md).
     python3 benchmarks/lab_kernel_variants.py old=old.py new=arnorm_triton/_kernels.py \\
         [--cells decode,bw] [--rounds 5] [--flashinfer]
 
-Prints one markdown table: microseconds per call (median over rounds of the median of 9 replays of
-20 calls) and, at T 8192, the fraction of copy bandwidth. ``--smoke``: CPU, Triton interpreter,
-tiny shapes, no timing claims (tests/arnorm_triton/test_bench_scripts.py runs it).
+``--warps 16,32`` times every variant at each warp count instead of the launch table's (the
+launcher's fixed-warp path, ``kernel[grid]``; graph replay does not see the host cost), a column
+per variant and count. Prints one markdown table: microseconds per call (median over rounds of the
+median of 9 replays of 20 calls) and, at T 8192, the fraction of copy bandwidth. ``--smoke``: CPU,
+Triton interpreter, tiny shapes, no timing claims (tests/arnorm_triton/test_bench_scripts.py).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> None:
     )
     p.add_argument("--cells", default="decode,bw", help="comma-separated presets: " + ", ".join(CELLS))
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warps", default="", help="comma-separated warp counts (default: the launch table's)")
     p.add_argument("--flashinfer", action="store_true", help="FlashInfer rows for the cells it serves")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no claims")
     args = p.parse_args()
@@ -84,10 +87,13 @@ def main() -> None:
 
     import arnorm_triton._launch as launch
 
-    variants = {}
+    modules = {}
     for spec in args.variants:
         name, _, path = spec.partition("=")
-        variants[name] = load_variant(name, path)
+        modules[name] = load_variant(name, path)
+    counts = [int(w) for w in args.warps.split(",") if w]
+    # column -> (kernel module, fixed warps or None)
+    variants = {f"{n}@{w}" if counts else n: (m, w) for n, m in modules.items() for w in (counts or [None])}
     cells = [c for preset in ("smoke",) if args.smoke for c in CELLS[preset]] or [
         c for preset in args.cells.split(",") for c in CELLS[preset]
     ]
@@ -104,11 +110,15 @@ def main() -> None:
     t0 = time.time()
     with torch.no_grad():
         try:
-            for name, module in variants.items():
+            for name, (module, warps) in variants.items():
                 launch.K = module  # read at each op's construction and compile
                 for c in cells:
                     inp = inputs[c]
                     op = make_op(dev, c[0], c[1], c[2], max_tokens=c[3])
+                    if warps is not None:  # every launch of this op through kernel[grid] at `warps`
+                        launcher = op._table[c[3]].launcher
+                        launcher.fixed_warps = warps
+                        launcher.unbind()
                     x = inp.x.clone()
                     got = outputs(op(x, inp.r, inp.w, inp.scale))
                     ref = reference.setdefault(c, got)

@@ -102,8 +102,9 @@ def _lab(tmp_path: pathlib.Path, *variants: str) -> subprocess.CompletedProcess[
 
 
 def test_lab_kernel_variants_smoke(tmp_path):
-    """lab_kernel_variants.py builds and times each variant through the public op, exits 0 when
-    every variant's outputs equal the first's, and exits 1 naming the cells of one that differs."""
+    """lab_kernel_variants.py builds and times each variant through the public op (also at fixed
+    warp counts), exits 0 when every variant's outputs equal the first's, and exits 1 naming the
+    cells of one that differs."""
     kernels = REPO / "arnorm_triton" / "_kernels.py"
     same = tmp_path / "same.py"
     same.write_text(kernels.read_text())
@@ -114,5 +115,26 @@ def test_lab_kernel_variants_smoke(tmp_path):
     ok = _lab(tmp_path, f"cur={kernels}", f"same={same}")
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     assert "| 64 | fp8_static | no | 3 |" in ok.stdout and "NOT EXACT" not in ok.stdout
+    warps = _lab(tmp_path, f"cur={kernels}", "--warps", "4,8")
+    assert warps.returncode == 0, warps.stdout[-2000:] + warps.stderr[-2000:]
+    assert "| cur@4 | cur@8 |" in warps.stdout
     bad = _lab(tmp_path, f"cur={kernels}", f"off={off}")
     assert bad.returncode == 1 and "NOT EXACT" in bad.stdout and "differ" in bad.stderr
+
+
+def test_sass_census_counts_a_compiled_configuration():
+    """sass_census.py compiles the fused kernel for sm_90 on a machine with no GPU and reports
+    its instructions, barriers and registers (a reduction needs at least one barrier)."""
+    import triton
+
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tools.exists():
+        pytest.skip(f"cuobjdump: not in this Triton ({tools})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "sass_census.py"), "--hidden", "1024", "--warps", "4",
+           "--quant", "fp8_static", "--normed", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 1024 |")]
+    instructions, bars, _, registers = (int(x) for x in row.strip("| ").split(" | ")[4:])
+    assert instructions > 100 and bars >= 1 and 0 < registers <= 255

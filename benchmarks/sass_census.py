@@ -1,0 +1,111 @@
+"""What ptxas makes of ``triton``'s fused kernel, without a GPU: instructions, barriers, registers.
+
+Compiles ``fused_add_rmsnorm_quant_kernel`` of a kernel module (``arnorm_triton/_kernels.py`` or a
+copy, as benchmarks/lab_kernel_variants.py takes them) for an NVIDIA target with the Triton that is
+importable (its bundled ``ptxas`` and ``cuobjdump``), as the triton backend specializes it (bf16,
+16-byte aligned pointers and strides, PDL on), and counts the SASS of each configuration:
+
+    python benchmarks/sass_census.py [--kernels PATH] [--hidden 4096,8192] [--warps 8,16,32]
+        [--quant none,fp8_static,nvfp4] [--normed 0,1] [--arch 90]
+
+A barrier (``BAR``) is a whole program waiting; at decode sizes each is on the critical path, so
+this is a quick screen of a kernel edit or a warp count before a GPU run measures it. Counts differ
+between Triton versions (the H200 machine has 3.6: ``pip download triton==3.6.0 --no-deps`` and
+put it first on ``PYTHONPATH`` to see what runs there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+QUANTS = {"none": 0, "fp8_static": 1, "fp8_per_token": 2, "nvfp4": 3, "mxfp8": 4}
+
+
+def load(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("sass_census_kernels", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def census(kernels: Any, hidden: int, quant: str, normed: bool, warps: int, arch: int) -> dict[str, int]:
+    """``{"instructions", "BAR", "SHFL", "registers"}`` of one compiled configuration."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernels.fused_add_rmsnorm_quant_kernel
+    block, group, vec = kernels.row_shape(hidden, None if quant == "none" else quant, 2)
+    code = QUANTS[quant]
+    const = {"HIDDEN": hidden, "BLOCK": block, "GROUP": group, "VEC": vec, "NUM_PARTIALS": 1, "QUANT": code,
+             "SWIZZLED": code in (3, 4), "WRITE_NORMED": normed, "ROUND_BEFORE_WEIGHT": False, "SOFT": False,
+             "SOFT_FP8": False, "USE_PDL": arch >= 90, "HAS_RESIDUAL": True}  # fmt: skip
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = {"scale_ptr": "*fp32", "q_ptr": "*u8", "sf_ptr": "*u8"}.get(name, "*bf16")
+        else:
+            sig[name] = "fp32" if name in ("eps", "weight_offset") else "i32"
+    names = fn.arg_names
+    aligned = [i for i, n in enumerate(names) if (n.endswith("_ptr") and n != "scale_ptr") or "stride" in n]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    compiled = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps})  # fmt: skip
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cuobjdump = os.path.join(tools, "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True)
+        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True)
+    lines = [ln for ln in sass.stdout.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    regs = re.search(r"REG:(\d+)", res.stdout)
+    return {
+        "instructions": len(lines),
+        "BAR": sum(" BAR." in ln for ln in lines),
+        "SHFL": sum(" SHFL." in ln for ln in lines),
+        "registers": int(regs.group(1)) if regs else -1,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    here = os.path.dirname(os.path.abspath(__file__))
+    p.add_argument("--kernels", default=os.path.join(here, "..", "arnorm_triton", "_kernels.py"))
+    p.add_argument("--hidden", default="4096,8192")
+    p.add_argument("--warps", default="8,16,32")
+    p.add_argument("--quant", default="none,fp8_static,nvfp4")
+    p.add_argument("--normed", default="1,0")
+    p.add_argument("--arch", type=int, default=90)
+    args = p.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
+    import triton
+
+    kernels = load(args.kernels)
+    print(f"Triton {triton.__version__}, sm_{args.arch}, {args.kernels}\n")
+    print("| H | format | normed | warps | instructions | BAR | SHFL | registers |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    for h in (int(x) for x in args.hidden.split(",")):
+        for quant in args.quant.split(","):
+            for normed in (bool(int(x)) for x in args.normed.split(",")):
+                if quant == "none" and not normed:
+                    continue
+                for warps in (int(x) for x in args.warps.split(",")):
+                    c = census(kernels, h, quant, normed, warps, args.arch)
+                    counts = " | ".join(str(c[k]) for k in ("instructions", "BAR", "SHFL", "registers"))
+                    print(f"| {h} | {quant} | {'yes' if normed else 'no'} | {warps} | {counts} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
