@@ -94,7 +94,7 @@ def test_bench_host_path_runs(tmp_path):
     assert len(lines) == 6 and all(line.count("|") == lines[0].count("|") for line in lines)
 
 
-def _lab(tmp_path: pathlib.Path, *variants: str) -> subprocess.CompletedProcess[str]:
+def _lab(*variants: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(REPO / "benchmarks" / "lab_kernel_variants.py"), "--smoke", *variants]
@@ -108,17 +108,17 @@ def test_lab_kernel_variants_smoke(tmp_path):
     kernels = REPO / "arnorm_triton" / "_kernels.py"
     same = tmp_path / "same.py"
     same.write_text(kernels.read_text())
-    off = tmp_path / "off.py"  # the weight offset doubled: every normed value moves
+    off = tmp_path / "off.py"  # the weight shifted by one: every normed value moves
     text = kernels.read_text()
     assert text.count("SOFT) + weight_offset") == 1
     off.write_text(text.replace("SOFT) + weight_offset", "SOFT) + 2.0 * weight_offset + 1.0"))
-    ok = _lab(tmp_path, f"cur={kernels}", f"same={same}")
+    ok = _lab(f"cur={kernels}", f"same={same}")
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     assert "| 64 | fp8_static | no | 3 |" in ok.stdout and "NOT EXACT" not in ok.stdout
-    warps = _lab(tmp_path, f"cur={kernels}", "--warps", "4,8")
+    warps = _lab(f"cur={kernels}", "--warps", "4,8")
     assert warps.returncode == 0, warps.stdout[-2000:] + warps.stderr[-2000:]
     assert "| cur@4 | cur@8 |" in warps.stdout
-    bad = _lab(tmp_path, f"cur={kernels}", f"off={off}")
+    bad = _lab(f"cur={kernels}", f"off={off}")
     assert bad.returncode == 1 and "NOT EXACT" in bad.stdout and "differ" in bad.stderr
 
 
