@@ -94,9 +94,7 @@ def main() -> None:
     counts = [int(w) for w in args.warps.split(",") if w]
     # column -> (kernel module, fixed warps or None)
     variants = {f"{n}@{w}" if counts else n: (m, w) for n, m in modules.items() for w in (counts or [None])}
-    cells = [c for preset in ("smoke",) if args.smoke for c in CELLS[preset]] or [
-        c for preset in args.cells.split(",") for c in CELLS[preset]
-    ]
+    cells = [c for preset in (["smoke"] if args.smoke else args.cells.split(",")) for c in CELLS[preset]]
     dev = CpuDevice() if args.smoke else CudaDevice()
     fi = None
     if args.flashinfer and not args.smoke:

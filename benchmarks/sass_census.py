@@ -17,24 +17,13 @@ put it first on ``PYTHONPATH`` to see what runs there).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from typing import Any
 
-QUANTS = {"none": 0, "fp8_static": 1, "fp8_per_token": 2, "nvfp4": 3, "mxfp8": 4}
-
-
-def load(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("sass_census_kernels", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from lab_kernel_variants import load_variant
 
 
 def census(kernels: Any, hidden: int, quant: str, normed: bool, warps: int, arch: int) -> dict[str, int]:
@@ -43,12 +32,15 @@ def census(kernels: Any, hidden: int, quant: str, normed: bool, warps: int, arch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from arnorm_triton._launch import FusedLauncher
+
     fn = kernels.fused_add_rmsnorm_quant_kernel
-    block, group, vec = kernels.row_shape(hidden, None if quant == "none" else quant, 2)
-    code = QUANTS[quant]
-    const = {"HIDDEN": hidden, "BLOCK": block, "GROUP": group, "VEC": vec, "NUM_PARTIALS": 1, "QUANT": code,
-             "SWIZZLED": code in (3, 4), "WRITE_NORMED": normed, "ROUND_BEFORE_WEIGHT": False, "SOFT": False,
-             "SOFT_FP8": False, "USE_PDL": arch >= 90, "HAS_RESIDUAL": True}  # fmt: skip
+    # The constexprs exactly as the backend's launcher binds them (bf16, TP 1, swizzled scales).
+    const = FusedLauncher(
+        hidden=hidden, itemsize=2, quant=None if quant == "none" else quant, layout="swizzled_128x4",
+        write_normed=normed, num_partials=1, eps=1e-6, weight_offset=0.0, soft=False, soft_fp8=False,
+        pdl=arch >= 90,
+    ).constexprs  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -92,7 +84,7 @@ def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
     import triton
 
-    kernels = load(args.kernels)
+    kernels = load_variant("census", args.kernels)
     print(f"Triton {triton.__version__}, sm_{args.arch}, {args.kernels}\n")
     print("| H | format | normed | warps | instructions | BAR | SHFL | registers |")
     print("|---:|---|---|---:|---:|---:|---:|---:|")
