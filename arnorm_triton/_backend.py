@@ -98,11 +98,22 @@ class TritonBackend:
         # e4m3 in integer arithmetic where the hardware conversion is missing or differs:
         # before SM 8.9 (no cvt to e4m3) and on ROCm (whose float8e4nv support varies by arch).
         soft_fp8 = soft or problem.platform != "cuda" or (problem.arch or (0, 0)) < (8, 9)
+        # The output plan, from the format table, resolved once (shared with triton_symm). The
+        # kernel writes the layout the plan resolved (a Problem may leave it None: the format's
+        # default). Bound methods as attributes: the call path pays no more lookups than inline code.
+        plan = OutputPlan(
+            hidden=h,
+            dtype=self._dtype,
+            quant=problem.quant,
+            layout=problem.scale_layout,
+            normed=problem.normed_output,
+            device=self._device,
+        )
         self._launcher = FusedLauncher(
             hidden=h,
             itemsize=torch.empty((), dtype=self._dtype).element_size(),
             quant=problem.quant,
-            layout=problem.scale_layout,
+            layout=plan.layout,
             write_normed=problem.normed_output,
             num_partials=self._world if self._exact else 1,
             eps=problem.eps,
@@ -119,16 +130,6 @@ class TritonBackend:
             # One flat buffer: any T's [W * T, H] view of its head is contiguous, as the gather needs.
             numel = self._world * problem.max_tokens * h
             self._gather = torch.empty(numel, dtype=self._dtype, device=self._device)
-        # The output plan, from the format table, resolved once (shared with triton_symm). Bound
-        # methods as attributes: the call path pays no more lookups than an inline version.
-        plan = OutputPlan(
-            hidden=h,
-            dtype=self._dtype,
-            quant=problem.quant,
-            layout=problem.scale_layout,
-            normed=problem.normed_output,
-            device=self._device,
-        )
         self._alloc = plan.alloc
         self._output = plan.output
         #: Whether the scales are the kernel's to write (not the caller's input scale).

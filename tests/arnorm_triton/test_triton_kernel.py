@@ -91,6 +91,20 @@ def test_swizzled_padding_is_written():
     check_output(out, partials[0], residual, weight, problem, scale)
 
 
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp8"])
+def test_problem_without_a_layout_gets_the_formats_default(quant):
+    """A Problem built directly with scale_layout=None (the core always resolves it; a caller driving
+    the backend need not): the kernel writes the layout the output says, the format's default (until
+    2026-12-04 it wrote linear scales under a swizzled_128x4 label)."""
+    partials, residual, weight = make_inputs(2, 64, torch.bfloat16, device=DEVICE)
+    scale = make_scale(quant, add_rmsnorm(partials[0], residual, weight, 1e-6, 0.0)[1])
+    problem = make_problem(64, torch.bfloat16, quant, None, device=DEVICE)
+    out = make_backend(problem)(partials[0].clone(), residual, weight, scale)
+    assert problem.scale_layout is None
+    check_output(out, partials[0], residual, weight, make_problem(64, torch.bfloat16, quant, out.quant.layout,
+                 device=DEVICE), scale)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "variant", [(None, None), ("fp8_per_token", None), ("nvfp4", "linear")], ids=variant_id
 )
