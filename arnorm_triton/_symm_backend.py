@@ -1,12 +1,14 @@
 """``TritonSymmBackend``: the all-reduce fused into one Triton kernel over torch symmetric memory.
 
-Per call, one kernel on each rank: this rank's partial is copied into its symmetric buffer (or
-already lies there: :meth:`TritonSymmBackend.input_buffer`), the ranks' programs meet through
-flags in the same buffers, and each row's partials are summed in fp32 from rank 0 up (one
-rounding: bitwise the reference's step 1, identical on every rank), then ``triton``'s epilogue adds
-the residual, normalizes and quantizes. One-shot (every rank reads every partial) up to
-``ARNORM_TRITON_SYMM_ONESHOT_MAX_TOKENS``, two-shot (each rank reduces a share of the rows, then
-reads the others' sums) above. docs/triton-symm.md has the protocol and why it is graph-safe.
+Per call, one kernel on each rank. Decode sizes (up to ``ARNORM_TRITON_SYMM_PUSH_MAX_TOKENS``)
+push: each rank stores its partial into every peer's buffer, where the data itself says it has
+arrived (no flags). Larger calls copy the partial into this rank's own buffer (or find it there:
+:meth:`TritonSymmBackend.input_buffer`) and the ranks' programs meet through flags; one-shot
+(every rank reads every partial) up to ``ARNORM_TRITON_SYMM_ONESHOT_MAX_TOKENS``, two-shot (each
+rank reduces a share of the rows, then reads the others' sums) above. Either way each row's
+partials are summed in fp32 from rank 0 up (one rounding: bitwise the reference's step 1,
+identical on every rank), then ``triton``'s epilogue adds the residual, normalizes and
+quantizes. docs/triton-symm.md has the protocols and why they are graph-safe.
 
 A call allocates only its outputs, never synchronizes with the host and launches the same grid on
 every rank; the calls of one op must be issued on one stream (or streams ordered with one
@@ -22,6 +24,7 @@ from arnorm.plugin import ArnormError, BackendSetupError, Output
 from arnorm_triton._symm_plugin import (
     DEFAULT_MAX_BYTES,
     DEFAULT_ONESHOT_MAX_TOKENS,
+    DEFAULT_PUSH_MAX_TOKENS,
     DEFAULT_SPIN_LIMIT,
     MAX_WORLD_SIZE,
 )
@@ -57,6 +60,7 @@ class TritonSymmBackend:
     ) -> None:
         import torch
 
+        from arnorm_triton._backend import _pdl_available
         from arnorm_triton._kernels import INTERPRETED
         from arnorm_triton._outputs import OutputPlan
         from arnorm_triton._symm_launch import SymmLauncher
@@ -69,14 +73,25 @@ class TritonSymmBackend:
         self._oneshot_max = settings["oneshot_max_tokens"]
         self._max_bytes = settings["max_bytes"]
         self._capacity = workspace.layout.capacity
+        #: Calls with at most this many tokens push (0: none do).
+        self._push_cap = workspace.layout.push_cap
         self._in_ptr = workspace.input_ptr()
         #: Once an input buffer is lent, every call waits at its end until the peers are done
         #: reading this rank's rows (the caller writes the next partial there before the next call).
         self._lent = False
+        # The kernel writes the layout the plan resolved (None in a Problem: the format's default).
+        self._plan = OutputPlan(
+            hidden=problem.hidden_size,
+            dtype=getattr(torch, problem.dtype),
+            quant=problem.quant,
+            layout=problem.scale_layout,
+            normed=problem.normed_output,
+            device=comm.device,
+        )
         self._launcher = SymmLauncher(
             workspace,
             quant=problem.quant,
-            layout=problem.scale_layout,
+            layout=self._plan.layout,
             write_normed=problem.normed_output,
             eps=problem.eps,
             weight_offset=problem.weight_offset,
@@ -86,14 +101,7 @@ class TritonSymmBackend:
             soft_fp8=_soft_fp8(problem) or INTERPRETED,
             sync=True,
             spin_limit=settings["spin_limit"],
-        )
-        self._plan = OutputPlan(
-            hidden=problem.hidden_size,
-            dtype=getattr(torch, problem.dtype),
-            quant=problem.quant,
-            layout=problem.scale_layout,
-            normed=problem.normed_output,
-            device=comm.device,
+            pdl=bool(settings.get("pdl", 1)) and _pdl_available(problem),
         )
 
     # -- selection --------------------------------------------------------------------------
@@ -129,6 +137,8 @@ class TritonSymmBackend:
             "max_bytes": int(getattr(settings, "max_bytes", DEFAULT_MAX_BYTES)),
             "oneshot_max_tokens": int(getattr(settings, "oneshot_max_tokens", DEFAULT_ONESHOT_MAX_TOKENS)),
             "spin_limit": int(getattr(settings, "spin_limit", DEFAULT_SPIN_LIMIT)),
+            "push_max_tokens": int(getattr(settings, "push_max_tokens", DEFAULT_PUSH_MAX_TOKENS)),
+            "pdl": int(bool(getattr(settings, "pdl", True))),
         }
         if comm.group is None or comm.world_size < 2:
             raise BackendSetupError(f"world size: {comm.world_size} (needs 2 to {MAX_WORLD_SIZE} ranks)")
@@ -144,6 +154,7 @@ class TritonSymmBackend:
             max_tokens=problem.max_tokens,
             max_bytes=values["max_bytes"],
             oneshot_max=values["oneshot_max_tokens"],
+            push_max=values["push_max_tokens"],
         )
         if layout.capacity < 1:
             from arnorm_triton._symm_workspace import min_bytes
@@ -175,7 +186,8 @@ class TritonSymmBackend:
             lambda: held.update(ws=build(layout, comm.rank, held["buffer"], held["handle"], offsets, dtype)),
         )
         ws = held["ws"]
-        # Every rank's flags are zero before any rank's first kernel can write into them.
+        # Every rank's flags are zero and its push slots the sentinel before any rank's first kernel
+        # can write into them.
         torch.cuda.synchronize(comm.device)
         comm.gather_objects("flags zeroed")
         self = cls(problem, comm, ws, values)
@@ -201,8 +213,8 @@ class TritonSymmBackend:
         variants = self._variants()
 
         def compile_all() -> None:  # one kernel serves every variant (runtime flags)
-            two, copy_in, end_wait = variants[0]
-            self._launch(x.clone(), res, w, scale, two, copy_in, end_wait, warmup=True)
+            push, two, copy_in, end_wait = variants[0]
+            self._launch(x.clone(), res, w, scale, push, two, copy_in, end_wait, warmup=True)
             self._launcher.wait_done(warmup=True)
 
         # Compiled on every rank before any rank runs a kernel that waits for its peers: a rank
@@ -210,10 +222,13 @@ class TritonSymmBackend:
         collective_step(comm, "kernel compile", compile_all)
 
         def run_all() -> None:
-            self.bind_direct(x, res, w, scale, two_shot=variants[0][0])
-            for two, copy_in, end_wait in variants:  # copy-in without end-wait first: see _variants
-                src = x.clone() if copy_in else self._workspace().inputs(t).copy_(x)
-                self._launch(src, res, w, scale, two, copy_in, end_wait)
+            first = variants[0]
+            n = min(t, self._push_cap) if first[0] else t
+            self.bind_direct(x[:n], res[:n], w, scale, push=first[0], two_shot=first[1])
+            for push, two, copy_in, end_wait in variants:  # copy-in without end-wait first: see _variants
+                n = min(t, self._push_cap) if push else t
+                src = x[:n].clone() if copy_in else self._workspace().inputs(n).copy_(x[:n])
+                self._launch(src, res[:n], w, scale, push, two, copy_in, end_wait)
             self._launcher.wait_done()
             torch.cuda.synchronize(comm.device)
             if self._timeouts():
@@ -224,7 +239,9 @@ class TritonSymmBackend:
 
         collective_step(comm, "warm-up", run_all)
 
-    def bind_direct(self, x: Any, residual: Any, weight: Any, scale: Any, *, two_shot: bool) -> bool:
+    def bind_direct(
+        self, x: Any, residual: Any, weight: Any, scale: Any, *, two_shot: bool, push: bool = False
+    ) -> bool:
         """Bind the direct launch (:meth:`SymmLauncher.bind`): collective, every rank with the same
         token count and kind, on the stream the op runs on; a partial ``x`` copied in, never written."""
         t = x.shape[0]
@@ -232,17 +249,17 @@ class TritonSymmBackend:
         y, q, sf = self._plan.alloc(t)
         kscale = scale if self._plan.kind in (1, 4) else None
         tensors = (x, residual, weight, kscale, h_out, y, q, sf)
-        return self._launcher.bind(tensors, t, (self._hidden,) * 3, two_shot=two_shot)
+        return self._launcher.bind(tensors, t, (self._hidden,) * 3, two_shot=two_shot, push=push)
 
-    def _variants(self) -> list[tuple[bool, bool, bool]]:
-        """``(two_shot, copy_in, end_wait)`` a call can take, in an order that is safe to run
-        back to back: a zero-copy call only after a call that waited at its end."""
+    def _variants(self) -> list[tuple[bool, bool, bool, bool]]:
+        """``(push, two_shot, copy_in, end_wait)`` a call can take, in an order that is safe to run
+        back to back: a zero-copy flag call only after a flag call that waited at its end."""
         kinds = [False] if self._capacity <= self._oneshot_max else [True]
         if self._oneshot_max > 0 and self._capacity > self._oneshot_max:
             kinds = [False, True]
-        out = []
+        out = [(True, False, True, False)] if self._push_cap > 0 else []
         for two in kinds:
-            out += [(two, True, False), (two, True, True), (two, False, True)]
+            out += [(False, two, True, False), (False, two, True, True), (False, two, False, True)]
         return out
 
     def check_tokens(self, num_tokens: int) -> tuple[str, ...]:
@@ -285,12 +302,11 @@ class TritonSymmBackend:
         zero_copy = hidden_states.data_ptr() == self._in_ptr and (
             t == 1 or hidden_states.stride(0) == self._hidden
         )
-        return self._launch(
-            hidden_states, residual, weight, scale, t > self._oneshot_max, not zero_copy, self._lent
-        )
+        push, two_shot = t <= self._push_cap, t > self._oneshot_max
+        return self._launch(hidden_states, residual, weight, scale, push, two_shot, not zero_copy, self._lent)
 
-    def _launch(self, x: Any, residual: Any, weight: Any, scale: Any, two_shot: bool, copy_in: bool,
-                end_wait: bool, warmup: bool = False) -> Output:  # fmt: skip
+    def _launch(self, x: Any, residual: Any, weight: Any, scale: Any, push: bool, two_shot: bool,
+                copy_in: bool, end_wait: bool, warmup: bool = False) -> Output:  # fmt: skip
         self._workspace()
         t, hidden = x.shape[0], self._hidden
         xs = x.stride(0) if t > 1 else hidden
@@ -304,8 +320,9 @@ class TritonSymmBackend:
         # Only fp8_static and nvfp4 read the caller's scale; any other value would compile another
         # kernel variant (a different pointer type) in the middle of a step.
         kscale = scale if self._plan.kind in (1, 4) else None
-        self._launcher.launch(x, residual, weight, kscale, h_out, y, q, sf, t, xs, rs, hs, two_shot=two_shot,
-                              copy_in=copy_in, end_wait=end_wait, warmup=warmup)  # fmt: skip
+        self._launcher.launch(x, residual, weight, kscale, h_out, y, q, sf, t, xs, rs, hs, push=push,
+                              two_shot=two_shot, copy_in=copy_in, end_wait=end_wait,
+                              warmup=warmup)  # fmt: skip
         return self._plan.output(y, h_out, q, sf, scale)
 
     # -- health and lifetime ----------------------------------------------------------------
@@ -321,7 +338,8 @@ class TritonSymmBackend:
         call since, are wrong. The usual cause is a rank that stopped calling the op."""
         bits = self._timeouts()
         if bits:
-            kinds = [k for i, k in enumerate(("publish", "two-shot sums", "done reading")) if bits >> i & 1]
+            names = ("publish", "two-shot sums", "done reading", "push")
+            kinds = [k for i, k in enumerate(names) if bits >> i & 1]
             raise ArnormError(
                 f"triton_symm: a wait for a peer ({', '.join(kinds)}) gave up after "
                 "ARNORM_TRITON_SYMM_SPIN_LIMIT polls (needs every rank to call the op the same number of "
@@ -344,6 +362,11 @@ class TritonSymmBackend:
     @property
     def oneshot_max_tokens(self) -> int:
         return self._oneshot_max
+
+    @property
+    def push_max_tokens(self) -> int:
+        """Most tokens a push call may have (0: every call takes the flag protocol)."""
+        return self._push_cap
 
     @property
     def launcher(self) -> Any:

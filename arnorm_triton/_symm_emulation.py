@@ -20,7 +20,7 @@ from arnorm_triton._symm_workspace import Layout, SymmWorkspace, emulated, plan_
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["emulate_call", "shared_workspace"]
+__all__ = ["emulate_call", "initial_contents", "shared_workspace"]
 
 
 def emulate_call(
@@ -37,6 +37,7 @@ def emulate_call(
     normed: bool = True,
     inplace: bool = True,
     two_shot: bool = False,
+    push: bool = False,
     zero_copy: bool = False,
     slots: int = 4,
     soft_fp8: bool | None = None,
@@ -45,7 +46,8 @@ def emulate_call(
     """Run one call on ``len(partials)`` emulated ranks; ``(outputs per rank, workspaces)``.
 
     ``residual``: one tensor for every rank or one per rank. ``workspaces`` from an earlier call
-    are reused (their contents stay, as on a GPU). Integer-bit casts in the interpreter; on a GPU,
+    are reused (their contents stay, as on a GPU). ``push``: the push one-shot (the workspaces
+    must have a push region of at least ``T`` rows). Integer-bit casts in the interpreter; on a GPU,
     ``soft_fp8`` picks the e4m3 conversion (default: the hardware's).
     """
     import torch
@@ -60,7 +62,7 @@ def emulate_call(
     )
     if workspaces is None:
         lay = plan_layout(world=world, slots=slots, hidden=h, itemsize=dtype.itemsize, max_tokens=t,
-                          max_bytes=1 << 40, oneshot_max=0 if two_shot else t)  # fmt: skip
+                          max_bytes=1 << 40, oneshot_max=0 if two_shot else t, push_max=t)  # fmt: skip
         workspaces = emulated(lay, dtype, partials[0].device)
     plan = OutputPlan(
         hidden=h, dtype=dtype, quant=quant, layout=layout, normed=normed, device=partials[0].device
@@ -96,7 +98,7 @@ def emulate_call(
             x, h_out, y, q, sf = calls[r]
             launcher.launch(x, residuals[r], weight, scale, h_out, y, q, sf, t, x.stride(0) if t > 1 else h,
                             residuals[r].stride(0) if t > 1 else h, h_out.stride(0) if t > 1 else h,
-                            two_shot=two_shot, copy_in=not zero_copy, end_wait=zero_copy,
+                            push=push, two_shot=two_shot, copy_in=not zero_copy, end_wait=zero_copy,
                             stage=stage)  # fmt: skip
     outs = [plan.output(y, h_out, q, sf, scale) for _, h_out, y, q, sf in calls]
     return outs, workspaces
@@ -105,8 +107,8 @@ def emulate_call(
 def shared_workspace(layout: Layout, dtype: torch.dtype, directory: str, rank: int) -> SymmWorkspace:
     """Rank ``rank``'s workspace over files that every rank maps (``directory/rank<r>.buf``): ranks
     in separate processes share memory the way GPUs share symmetric memory, so the kernel can run
-    with its flags (``SYNC=True``) under the Triton interpreter. The files must exist, zero-filled,
-    ``layout.total_bytes`` long, before any rank maps them."""
+    with its flags (``SYNC=True``) under the Triton interpreter. The files must exist, holding
+    :func:`initial_contents`, before any rank maps them."""
     import os
 
     import torch
@@ -122,3 +124,8 @@ def shared_workspace(layout: Layout, dtype: torch.dtype, directory: str, rank: i
     ws = _new_local(layout, rank, buffers[rank], [int(b.data_ptr()) for b in buffers], dtype, None)
     ws.handle = buffers  # keeps every mapping alive as long as the workspace
     return ws
+
+
+def initial_contents(layout: Layout) -> bytes:
+    """A fresh buffer's bytes: flags and regions zero, the push region the sentinel (all bits set)."""
+    return bytes(layout.push_off) + b"\xff" * (layout.total_bytes - layout.push_off)

@@ -6,18 +6,29 @@ ever need to agree per program: program ``b`` of each rank synchronizes with pro
 every other rank through flags, never with the rest of the grid (docs/triton-symm.md).
 
 Per call, program ``b`` has an epoch ``e`` (its call counter, ``epochs[b] + 1``; equal on every
-rank because every rank runs the same calls with the same grid). Flags hold epochs, only ever
-increase (mod 2**32) and are never reset, so they survive any number of CUDA-graph replays:
+rank because every rank runs the same calls with the same grid).
+
+Push one-shot (``push``, decode sizes: ``T <= push_cap``), program ``b`` of rank ``me``: store each
+of its rows into slot ``(e % 2, me)`` of every peer's push region; look at its own slots
+``(e % 2, src)`` of those rows until no element holds the sentinel (every bit set, a NaN no
+pushed element has: :func:`_publishable`), sum them in rank order, write the sentinel back, run
+the epilogue. No flag and no fence: each element says itself whether it has arrived. A slot is
+written again two calls later, by a peer that has seen this rank's next call, which this rank
+starts only after the current one completed (stream order; with PDL, ``gdc_wait`` comes first).
+
+The flag protocol (larger T, and zero-copy input). Flags hold epochs, only ever increase (mod
+2**32) and are never reset, so they survive any number of CUDA-graph replays:
 
 - ``signal(kind)``: ``__syncthreads``, then one release store of ``e`` at system scope into
-  flag ``(kind, b, rank)`` of every rank's buffer (this rank's included).
-- ``wait(kind, target)``: acquire-poll this rank's flags ``(kind, b, src)`` for every ``src``
-  until each is at least ``target`` (wrap-safe compare), then ``__syncthreads``.
+  flag ``(kind, b, me)`` of every peer's buffer.
+- ``wait(kind, target)``: acquire-poll this rank's flags ``(kind, b, src)`` for every peer
+  ``src`` until each is at least ``target`` (wrap-safe compare), then ``__syncthreads``.
 
 One-shot, program ``b``:
 
-1. (copy-in) wait DONE >= e - 1 (every peer has finished reading the previous call's rows from
-   this buffer), copy this rank's rows into its inputs region; signal READY; wait READY >= e.
+1. (copy-in) wait DONE >= the epoch of this program's last flag call (``epochs[SLOTS + b]``:
+   every peer has finished reading this buffer's rows), copy this rank's rows into its inputs
+   region; signal READY; wait READY >= e.
 2. for each row: ``s = D(sum_r fp32(inputs_r[t]))`` from rank 0 up; the epilogue.
 3. signal DONE; with ``end_wait`` (zero-copy input in use) wait DONE >= e before exiting, so the
    next writer of the inputs region (the caller's GEMM) cannot overwrite rows a peer still reads.
@@ -26,11 +37,12 @@ Two-shot: 1 as above; 2: this rank reduces the rows of program ``b`` that it own
 (``owner(t) = (t % SLOTS + t // SLOTS) % W``) into its sums region, signal SUMS, wait SUMS >= e;
 3: every row's ``s`` from its owner's sums region, the epilogue; then DONE as above.
 
-``SYNC=False`` compiles every flag operation out and ``STAGE`` runs one part only (1: publish,
-2: one-shot sums and epilogue or two-shot reduction, 3: two-shot epilogue and the call's end):
-the CPU tests run each emulated rank's stage 1, then each rank's stage 2, then stage 3, which is
-exactly the order the flags enforce. ``STAGE=0`` runs the whole kernel. The kind (one-/two-shot),
-copy-in and end-wait are runtime flags, so one compiled kernel serves every call of an op.
+``SYNC=False`` compiles every flag operation and poll out and ``STAGE`` runs one part only (1:
+publish or push, 2: one-shot sums and epilogue or two-shot reduction, 3: two-shot epilogue and the
+call's end): the CPU tests run each emulated rank's stage 1, then each rank's stage 2, then stage
+3, which is exactly the order the protocol enforces. ``STAGE=0`` runs the whole kernel. Push, the
+kind (one-/two-shot), copy-in and end-wait are runtime flags, so one compiled kernel serves every
+call of an op.
 """
 
 from __future__ import annotations
@@ -133,8 +145,68 @@ def _rank_order_sum(peers_ptr, in_off, row64, offs, mask, mine, use_mine, rank, 
     return to_fp32(to_dtype_rne(acc, DTYPE, SOFT), SOFT)
 
 
+@triton.jit
+def _bits(x, DTYPE: tl.constexpr):
+    """``x``'s bits as a signed integer of its width (the sentinel is -1: every bit set)."""
+    if DTYPE.primitive_bitwidth == 16:
+        return x.to(tl.int16, bitcast=True)
+    else:
+        return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _sentinel(offs, DTYPE: tl.constexpr):
+    """The "not written yet" value of a push slot: every bit set (a NaN in bf16, fp16 and fp32)."""
+    if DTYPE.primitive_bitwidth == 16:
+        return tl.full(offs.shape, -1, tl.int16).to(DTYPE, bitcast=True)
+    else:
+        return tl.full(offs.shape, -1, tl.int32).to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _publishable(x, DTYPE: tl.constexpr):
+    """``x`` with the sentinel's bit pattern replaced by the NaN one below it: a pushed element is
+    never mistaken for "not written yet". Only that one NaN's payload changes (a sum with a NaN is
+    a NaN either way); every rank sums the replaced values, its own included, so all agree."""
+    bits = _bits(x, DTYPE)
+    return tl.where(bits == -1, (bits - 1).to(DTYPE, bitcast=True), x)
+
+
+@triton.jit
+def _push_slot(base, push_off, k, src, row64, push_cap, HIDDEN: tl.constexpr, WORLD: tl.constexpr,
+               DTYPE: tl.constexpr):  # fmt: skip
+    """Row ``row64`` of slot ``(k, src)`` of the push region of the buffer at integer ``base``:
+    ``[2, WORLD, push_cap, HIDDEN]`` elements of ``DTYPE`` from byte ``push_off``."""
+    start = tl.multiple_of((base + push_off).to(tl.pointer_type(DTYPE)), 16)
+    return start + ((k * WORLD + src) * push_cap + row64) * HIDDEN
+
+
+@triton.jit
+def _push_pass(my_base, push_off, k, row64, push_cap, offs, mask, mine, rank, HIDDEN: tl.constexpr,
+               BLOCK: tl.constexpr, WORLD: tl.constexpr, DTYPE: tl.constexpr, SOFT: tl.constexpr,
+               VOLATILE: tl.constexpr):  # fmt: skip
+    """One look at this rank's push slots of row ``row64``: ``(s, missing)`` with ``s`` the
+    rank-order fp32 sum rounded once (as :func:`_rank_order_sum`; this rank's term is ``mine``) and
+    ``missing`` nonzero while some peer's element still holds the sentinel. Every peer's row is
+    loaded at once (one round trip per look, however many peers)."""
+    missing = offs < 0
+    acc = tl.zeros(offs.shape, tl.float32)
+    for p in tl.static_range(WORLD):
+        own = rank == p
+        x = tl.load(_push_slot(my_base, push_off, k, p, row64, push_cap, HIDDEN, WORLD, DTYPE) + offs,
+                    mask=mask & (own == 0), other=0.0, volatile=VOLATILE)  # fmt: skip
+        missing = missing | ((_bits(x, DTYPE) == -1) & mask)
+        x = tl.where(own, mine, x)
+        if p == 0:
+            acc = to_fp32(x, SOFT)
+        else:
+            acc = acc + to_fp32(x, SOFT)
+    s = to_fp32(to_dtype_rne(acc, DTYPE, SOFT), SOFT)
+    return s, tl.max(tl.reshape(missing.to(tl.int32), [BLOCK], can_reorder=True), axis=0)
+
+
 @triton.jit(
-    do_not_specialize=["n_rows", "rank", "spin_limit", "two_shot", "copy_in", "end_wait"],
+    do_not_specialize=["n_rows", "rank", "spin_limit", "push_cap", "push", "two_shot", "copy_in", "end_wait"],
     do_not_specialize_on_alignment=["scale_ptr"],
 )
 def symm_allreduce_norm_kernel(
@@ -147,7 +219,7 @@ def symm_allreduce_norm_kernel(
     q_ptr,  # uint8 codes (any pointer when QUANT == 0)
     sf_ptr,  # scales out (any pointer when the format has none)
     peers_ptr,  # int64 [WORLD]: every rank's workspace address
-    epochs_ptr,  # int32 [SLOTS]: this rank's call counter per program
+    epochs_ptr,  # int32 [2, SLOTS]: this rank's call counter per program, then its last flag call's
     err_ptr,  # int32 [1]: timeout bits
     my_base,  # this rank's workspace address (peers[rank]), so polls need no load first
     n_rows,  # T
@@ -159,7 +231,10 @@ def symm_allreduce_norm_kernel(
     rank,
     in_off,  # byte offset of the inputs region in every workspace
     sum_off,  # byte offset of the sums region (two-shot)
+    push_off,  # byte offset of the push region [2, WORLD, push_cap, H]
+    push_cap,  # rows per push slot
     spin_limit,  # polls before a wait gives up
+    push,  # 1: one-shot by push (no flags; T <= push_cap); 0: the flag protocol
     two_shot,  # 0: one-shot, 1: two-shot (runtime flags: one compiled kernel serves every call)
     copy_in,  # 1: copy x into this rank's inputs region; 0: x is that region (zero-copy)
     end_wait,  # 1: wait until every peer is done reading before exiting (an input buffer is lent)
@@ -175,12 +250,17 @@ def symm_allreduce_norm_kernel(
     SOFT_FP8: tl.constexpr,
     WORLD: tl.constexpr,
     SLOTS: tl.constexpr,  # rows map to programs as t % SLOTS; the flags' second axis
-    SYNC: tl.constexpr,  # False: no flag operations (emulated ranks in one process)
+    SYNC: tl.constexpr,  # False: no flag operations and no polling (emulated ranks in one process)
     STAGE: tl.constexpr,  # 0: everything; 1, 2, 3: only that part (emulation)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (CUDA SM 9.0+, launched with launch_pdl)
 ):
     """Programs ``b < min(T, SLOTS)`` serve rows ``b, b + SLOTS, ...`` below T; with swizzled
     scales, :func:`~arnorm_triton._kernels.padding_programs` more programs zero the padding rows
-    and take no part in the flag protocol (the grid is a function of T alone on every rank)."""
+    and take no part in the protocol (the grid is a function of T alone on every rank).
+
+    With ``USE_PDL`` every program waits for the preceding grid (``griddepcontrol.wait``) before its
+    first load and before any peer can learn of this call, so a peer that sees this call knows
+    that this rank's previous call has completed (the push protocol's slot reuse relies on it)."""
     b = tl.program_id(0)
     n_main = tl.minimum(n_rows, SLOTS)
     if SWIZZLED:  # noqa: SIM102
@@ -188,22 +268,97 @@ def symm_allreduce_norm_kernel(
             # A padding program: it touches no symmetric memory, no flag and no call counter,
             # so it needs no synchronization and runs beside the row programs, not after them.
             if STAGE == 0 or STAGE == 3:
+                if USE_PDL:  # the preceding grid may still read the scales these programs overwrite
+                    tl.extra.cuda.gdc_wait()
                 zero_padding_rows(sf_ptr, b - n_main, n_rows, HIDDEN, BLOCK, GROUP)
             return
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
+    b64 = tl.cast(b, tl.int64)
+    if USE_PDL:  # the addresses above need nothing from the preceding grid; everything below does
+        tl.extra.cuda.gdc_wait()
     e = tl.load(epochs_ptr + b).to(tl.uint32, bitcast=True) + 1
     # This rank's first row, loaded before any wait (it is this rank's own data either way): it
     # is published from registers and summed from registers.
-    b64 = tl.cast(b, tl.int64)
     mine = tl.load(x_ptr + b64 * x_stride + offs, mask=mask, other=0.0)
 
+    if push != 0:
+        # One-shot by push: rank r stores its rows into slot (e % 2, r) of every peer's push region;
+        # each rank polls its own slots until no element is the sentinel, sums, then puts the
+        # sentinel back. No flag, no fence: the data says it has arrived (docs/triton-symm.md).
+        k = (e & 1).to(tl.int64)
+        if STAGE == 0 or STAGE == 1:
+            for row in range(b, n_rows, SLOTS):
+                row64 = tl.cast(row, tl.int64)
+                if row == b:
+                    x = mine
+                else:
+                    x = tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0)
+                x = _publishable(x, DTYPE)
+                for p in tl.static_range(WORLD):
+                    peer = tl.load(peers_ptr + p)
+                    dst = _push_slot(peer, push_off, k, rank, row64, push_cap, HIDDEN, WORLD, DTYPE)
+                    tl.store(dst + offs, x, mask=mask & (rank != p))
+        if STAGE == 0 or STAGE == 2:
+            for row in range(b, n_rows, SLOTS):
+                row64 = tl.cast(row, tl.int64)
+                if row == b:
+                    x = mine
+                else:
+                    x = tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0)
+                x = _publishable(x, DTYPE)
+                s, missing = _push_pass(my_base, push_off, k, row64, push_cap, offs, mask, x, rank, HIDDEN,
+                                        BLOCK, WORLD, DTYPE, SOFT, SYNC)  # fmt: skip
+                if SYNC:
+                    n = tl.full([], 0, tl.int32)
+                    while (missing != 0) & (n < spin_limit):
+                        s, missing = _push_pass(my_base, push_off, k, row64, push_cap, offs, mask, x, rank,
+                                                HIDDEN, BLOCK, WORLD, DTYPE, SOFT, SYNC)  # fmt: skip
+                        n += 1
+                    if missing != 0:  # a peer never came: record it rather than hang
+                        tl.atomic_or(err_ptr, tl.full([], 8, tl.int32), sem="relaxed", scope="gpu")
+                # Read: the slots take the sentinel again for the call after next (slot e % 2).
+                for p in tl.static_range(WORLD):
+                    dst = _push_slot(my_base, push_off, k, p, row64, push_cap, HIDDEN, WORLD, DTYPE)
+                    tl.store(dst + offs, _sentinel(offs, DTYPE), mask=mask & (rank != p))
+                norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
+                                    q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
+                                    SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+    else:
+        _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, peers_ptr, epochs_ptr,
+                   err_ptr, my_base, n_rows, x_stride, res_stride, h_stride, eps, weight_offset, rank,
+                   in_off, sum_off, spin_limit, two_shot, copy_in, end_wait, b, b64, e, mine, offs, mask,
+                   HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
+                   SOFT_FP8, WORLD, SLOTS, SYNC, STAGE)  # fmt: skip
+
+    # Last part: count the call.
+    if STAGE == 0 or STAGE == 3:
+        tl.store(epochs_ptr + b, e.to(tl.int32, bitcast=True))
+        if push == 0:
+            tl.store(epochs_ptr + SLOTS + b, e.to(tl.int32, bitcast=True))
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, peers_ptr, epochs_ptr, err_ptr,
+               my_base, n_rows, x_stride, res_stride, h_stride, eps, weight_offset, rank, in_off, sum_off,
+               spin_limit, two_shot, copy_in, end_wait, b, b64, e, mine, offs, mask, HIDDEN: tl.constexpr,
+               BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
+               SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
+               SOFT: tl.constexpr, SOFT_FP8: tl.constexpr, WORLD: tl.constexpr, SLOTS: tl.constexpr,
+               SYNC: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
+    """One call of program ``b`` through the flag protocol (one-shot or two-shot; the module's
+    docstring). ``DONE`` is signalled by flag calls only, so the copy-in waits for the peers' ``DONE``
+    of this rank's last flag call (``epochs[SLOTS + b]``), not of the previous call."""
+    DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     # Part 1: publish this rank's rows, then wait for every rank's.
     if STAGE == 0 or STAGE == 1:
         if copy_in != 0:
             if SYNC:  # noqa: SIM102 (a constexpr and a runtime test: Triton folds the first away)
-                if end_wait == 0:  # else the previous call already waited at its end
-                    _wait(my_base, DONE, b, rank, e - 1, spin_limit, err_ptr, SLOTS, WORLD)
+                if end_wait == 0:  # else the previous flag call already waited at its end
+                    last = tl.load(epochs_ptr + SLOTS + b).to(tl.uint32, bitcast=True)
+                    _wait(my_base, DONE, b, rank, last, spin_limit, err_ptr, SLOTS, WORLD)
             region = _region(peers_ptr, rank, in_off, DTYPE)
             tl.store(region + b64 * HIDDEN + offs, mine, mask=mask)
             for row in range(b + SLOTS, n_rows, SLOTS):
@@ -213,7 +368,6 @@ def symm_allreduce_norm_kernel(
         if SYNC:
             _signal(peers_ptr, READY, b, rank, e, SLOTS, WORLD)
             _wait(my_base, READY, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
-
     if two_shot == 0:
         # Part 2 (one-shot): every rank sums every partial of its rows, identically.
         if STAGE == 0 or STAGE == 2:
@@ -265,20 +419,19 @@ def symm_allreduce_norm_kernel(
             if SYNC:
                 _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
 
-    # Last part: with an input buffer lent, wait until the peers are done reading; count the call.
-    if STAGE == 0 or STAGE == 3:
-        if SYNC:  # noqa: SIM102
-            if end_wait != 0:
-                _wait(my_base, DONE, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
-        tl.store(epochs_ptr + b, e.to(tl.int32, bitcast=True))
+    # With an input buffer lent, wait until the peers are done reading.
+    if (STAGE == 0 or STAGE == 3) and SYNC:  # noqa: SIM102
+        if end_wait != 0:
+            _wait(my_base, DONE, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)
 
 
 @triton.jit(do_not_specialize=["rank", "spin_limit"])
 def symm_wait_done_kernel(epochs_ptr, err_ptr, my_base, rank, spin_limit, SLOTS: tl.constexpr,
                           WORLD: tl.constexpr):  # fmt: skip
-    """Wait until every peer's program ``b`` is done reading this rank's rows of its last call
+    """Wait until every peer's program ``b`` is done reading this rank's rows of its last flag call
     (grid ``SLOTS``): run once when zero-copy input starts, so the caller's first write into the
-    inputs region cannot race a peer still reading a copy-in call that did not wait at its end."""
+    inputs region cannot race a peer still reading a copy-in call that did not wait at its end.
+    (Push calls never read a peer's inputs region.)"""
     b = tl.program_id(0)
-    e = tl.load(epochs_ptr + b).to(tl.uint32, bitcast=True)
+    e = tl.load(epochs_ptr + SLOTS + b).to(tl.uint32, bitcast=True)
     _wait(my_base, DONE, b, rank, e, spin_limit, err_ptr, SLOTS, WORLD)

@@ -37,10 +37,11 @@ _log = logging.getLogger("arnorm.triton")
 class SymmLauncher:
     """Launches of :func:`arnorm_triton._symm_kernels.symm_allreduce_norm_kernel` for one rank.
 
-    ``launch(x, res, w, scale, h, y, q, sf, n_rows, x_stride, res_stride, h_stride, *, two_shot,
-    copy_in, end_wait, stage=0)``: tensors in the kernel's order (``scale``, ``y``, ``q``, ``sf``
-    may be ``None`` where the variant neither reads nor writes them). ``sync=False`` builds the
-    emulation variant (no flag operations; the caller runs the stages in order over all ranks).
+    ``launch(x, res, w, scale, h, y, q, sf, n_rows, x_stride, res_stride, h_stride, *, push,
+    two_shot, copy_in, end_wait, stage=0)``: tensors in the kernel's order (``scale``, ``y``, ``q``,
+    ``sf`` may be ``None`` where the variant neither reads nor writes them). ``sync=False`` builds
+    the emulation variant (no flag operations or polls; the caller runs the stages in order over
+    all ranks). ``pdl``: programmatic dependent launch (CUDA SM 9.0+; never with ``sync=False``).
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class SymmLauncher:
         soft_fp8: bool,
         sync: bool = True,
         spin_limit: int = 0,
+        pdl: bool = False,
     ) -> None:
         lay = workspace.layout
         block, group, vec = K.row_shape(lay.hidden, quant, lay.itemsize)
@@ -83,6 +85,7 @@ class SymmLauncher:
             "WORLD": lay.world,
             "SLOTS": lay.slots,
             "SYNC": sync,
+            "USE_PDL": pdl and sync,
         }
         names = S.symm_allreduce_norm_kernel.arg_names
         #: Every constexpr in signature order, ``STAGE=0`` included (the direct launch's tail).
@@ -115,6 +118,7 @@ class SymmLauncher:
         res_stride: int,
         h_stride: int,
         *,
+        push: bool = False,
         two_shot: bool,
         copy_in: bool,
         end_wait: bool,
@@ -139,16 +143,16 @@ class SymmLauncher:
                     *bound.mid, xp, rp, wp, hp if scale is None else scale.data_ptr(), hp,
                     hp if y is None else y.data_ptr(), hp if q is None else q.data_ptr(),
                     hp if sf is None else sf.data_ptr(), *self._fixed, n_rows, x_stride, res_stride, h_stride,
-                    *self._scalars, int(two_shot), int(copy_in), int(end_wait), *self._consts,
+                    *self._scalars, int(push), int(two_shot), int(copy_in), int(end_wait), *self._consts,
                 )  # fmt: skip
                 return None
         return self._ordinary(x, res, w, scale, h, y, q, sf, n_rows, x_stride, res_stride, h_stride,
-                              two_shot=two_shot, copy_in=copy_in, end_wait=end_wait, stage=stage,
+                              push=push, two_shot=two_shot, copy_in=copy_in, end_wait=end_wait, stage=stage,
                               warmup=warmup)  # fmt: skip
 
     def _ordinary(self, x: Any, res: Any, w: Any, scale: Any, h: Any, y: Any, q: Any, sf: Any, n_rows: int,
-                  x_stride: int, res_stride: int, h_stride: int, *, two_shot: bool, copy_in: bool,
-                  end_wait: bool, stage: int = 0, warmup: bool = False) -> Any:  # fmt: skip
+                  x_stride: int, res_stride: int, h_stride: int, *, push: bool = False, two_shot: bool,
+                  copy_in: bool, end_wait: bool, stage: int = 0, warmup: bool = False) -> Any:  # fmt: skip
         """``kernel[grid](...)``: Triton's own launch path (returns the compiled kernel)."""
         import torch
 
@@ -160,23 +164,25 @@ class SymmLauncher:
             if ptrs[i].element_size() == 1 and ptrs[i].dtype is not torch.uint8:
                 ptrs[i] = ptrs[i].view(torch.uint8)
         launch = _launcher(S.symm_allreduce_norm_kernel, self.grid(n_rows), warmup)
+        extra = {"launch_pdl": True} if self.constexprs["USE_PDL"] else {}
         return launch(
             *ptrs, ws.peers, ws.epochs, ws.error, ws.base, n_rows, x_stride, res_stride, h_stride, self.eps,
-            self.weight_offset, ws.rank, lay.in_off, lay.sum_off, self.spin_limit, int(two_shot),
-            int(copy_in), int(end_wait), STAGE=stage, num_warps=self.num_warps, **self.constexprs,
+            self.weight_offset, ws.rank, lay.in_off, lay.sum_off, lay.push_off, max(lay.push_cap, 1),
+            self.spin_limit, int(push), int(two_shot), int(copy_in), int(end_wait), STAGE=stage,
+            num_warps=self.num_warps, **extra, **self.constexprs,
         )  # fmt: skip
 
     # -- the direct launch -------------------------------------------------------------------
 
     def bind(self, tensors: tuple[Any, ...], n_rows: int, strides: tuple[int, int, int], *,
-             two_shot: bool) -> bool:  # fmt: skip
+             two_shot: bool, push: bool = False) -> bool:  # fmt: skip
         """Collective over the op's ranks (every rank calls it at the same point, with the same
-        ``n_rows`` and kind): one ordinary copy-in launch, then exactly :data:`BIND_TRIALS` more
-        on every rank, each through a candidate direct launcher when there is one (an ordinary
-        launch otherwise), keeping the first candidate whose outputs are bit for bit the ordinary
-        launch's. ``tensors`` = x, res, w, scale, h, y, q, sf (x and h distinct; every rank's x
-        the same partial for every launch, which the kernel copies in, so the sums repeat).
-        Synchronizes (setup only). Returns whether launches now go direct."""
+        ``n_rows`` and kind, push or flags): one ordinary copy-in launch, then exactly
+        :data:`BIND_TRIALS` more on every rank, each through a candidate direct launcher when there
+        is one (an ordinary launch otherwise), keeping the first candidate whose outputs are bit for
+        bit the ordinary launch's. ``tensors`` = x, res, w, scale, h, y, q, sf (x and h distinct;
+        every rank's x the same partial for every launch, which the kernel copies in, so the sums
+        repeat). Synchronizes (setup only). Returns whether launches now go direct."""
         import torch
 
         self._bound = None
@@ -184,7 +190,7 @@ class SymmLauncher:
             return False
         x, res, w, scale, h, y, q, sf = tensors
         outputs = [t for t in (h, y, q, sf) if t is not None]
-        kwargs = {"two_shot": two_shot, "copy_in": True, "end_wait": False}
+        kwargs = {"push": push, "two_shot": two_shot, "copy_in": True, "end_wait": False}
         compiled = self._ordinary(x, res, w, scale, h, y, q, sf, n_rows, *strides, **kwargs)
         torch.cuda.synchronize(x.device)
         first = [o.clone() for o in outputs]
@@ -204,7 +210,8 @@ class SymmLauncher:
                 ws.base,
             )
             lay = ws.layout
-            self._scalars = (self.eps, self.weight_offset, ws.rank, lay.in_off, lay.sum_off, self.spin_limit)
+            self._scalars = (self.eps, self.weight_offset, ws.rank, lay.in_off, lay.sum_off, lay.push_off,
+                             max(lay.push_cap, 1), self.spin_limit)  # fmt: skip
             candidates = bound_launchers(compiled)
         except Exception as exc:  # Triton API drift: ordinary launches only, never a failed setup
             _log.warning("triton_symm: direct launch unavailable (%s: %s)", type(exc).__name__, exc)

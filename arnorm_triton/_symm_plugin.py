@@ -18,6 +18,7 @@ __all__ = [
     "CAPABILITIES",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_ONESHOT_MAX_TOKENS",
+    "DEFAULT_PUSH_MAX_TOKENS",
     "DEFAULT_SPIN_LIMIT",
     "MAX_WORLD_SIZE",
     "TritonSymmSettings",
@@ -32,6 +33,9 @@ MAX_WORLD_SIZE = 8
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 #: One-shot up to this many tokens, two-shot above (docs/triton-symm.md, "Crossover").
 DEFAULT_ONESHOT_MAX_TOKENS = 128
+#: One-shot calls up to this many tokens push (docs/triton-symm.md, "Push"): at H = 8192 in bf16
+#: and 8 ranks the push region is 2 x 8 x 128 rows of 16 KiB, 32 MiB of the budget.
+DEFAULT_PUSH_MAX_TOKENS = 128
 #: Polls of a peer's flag before a wait gives up and records a timeout (about 10 s to minutes,
 #: depending on the GPU's atomic latency): long enough for a late rank, short of a silent hang.
 DEFAULT_SPIN_LIMIT = 1 << 27
@@ -53,15 +57,15 @@ CAPABILITIES = Capabilities(
 
 
 class TritonSymmSettings(BackendSettings):
-    """``ARNORM_TRITON_SYMM_*``: the symmetric workspace budget, the one-shot/two-shot crossover,
-    and how long a kernel waits for a peer."""
+    """``ARNORM_TRITON_SYMM_*``: the symmetric workspace budget, the push and one-shot/two-shot
+    crossovers, how long a kernel waits for a peer, and programmatic dependent launch."""
 
     max_bytes: int = Field(
         default=DEFAULT_MAX_BYTES,
         gt=0,
-        description="Bytes of symmetric memory per rank for this op's workspace (the partials, the "
-        "two-shot sums and the flags). It bounds the token count the backend serves; a call with more "
-        "tokens falls through to the next backend (triton).",
+        description="Bytes of symmetric memory per rank for this op's workspace (the push slots, the "
+        "partials, the two-shot sums and the flags). It bounds the token count the backend serves; a call "
+        "with more tokens falls through to the next backend (triton).",
     )
     oneshot_max_tokens: int = Field(
         default=DEFAULT_ONESHOT_MAX_TOKENS,
@@ -69,6 +73,18 @@ class TritonSymmSettings(BackendSettings):
         description="Token counts up to this run the one-shot kernel (every rank reads every partial); "
         "above it the two-shot kernel (each rank reduces a share of the rows, then reads the others' "
         "sums). 0: always two-shot; at least max_tokens: always one-shot.",
+    )
+    push_max_tokens: int = Field(
+        default=DEFAULT_PUSH_MAX_TOKENS,
+        ge=0,
+        description="One-shot calls up to this many tokens push: each rank stores its partial into "
+        "every peer's buffer and the data itself says it has arrived (no flags, no fences). Costs "
+        "2 x world x this x hidden x itemsize bytes of the budget. 0: the flag protocol for every call.",
+    )
+    pdl: bool = Field(
+        default=True,
+        description="Programmatic dependent launch on CUDA SM 9.0+ (the kernel's launch overlaps the "
+        "previous kernel's tail); off: plain launches.",
     )
     spin_limit: int = Field(
         default=DEFAULT_SPIN_LIMIT,

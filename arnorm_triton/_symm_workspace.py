@@ -5,6 +5,8 @@ Every rank holds one buffer of the same size, laid out identically (byte offsets
     [0, flags_bytes)           flags: uint32 [KINDS, slots, world]; peers write slot (kind, b, src)
     [in_off, in_off + T*H*e)   inputs: this rank's partial sum, [capacity, H] in the dtype
     [sum_off, ... )            sums: two-shot only, the rows this rank reduced, [capacity, H]
+    [push_off, total)          push: [2, world, push_cap, H]; peer src stores into slot (e % 2, src),
+                               every element is the sentinel (all bits set) until written
 
 Flag ``(kind, b, src)`` in rank r's buffer is written by rank ``src``'s program ``b`` and read by
 rank r's program ``b`` only (docs/triton-symm.md, "Protocol"). ``slots`` is the number of
@@ -66,6 +68,13 @@ class Layout:
     in_off: int
     sum_off: int
     total_bytes: int
+    #: Byte offset and rows per slot of the push region (push one-shot serves T <= push_cap).
+    push_off: int = 0
+    push_cap: int = 0
+
+    @property
+    def push_bytes(self) -> int:
+        return self.total_bytes - self.push_off if self.push_cap else 0
 
     @property
     def row_bytes(self) -> int:
@@ -77,36 +86,63 @@ def flag_bytes(world: int, slots: int) -> int:
 
 
 def plan_layout(
-    *, world: int, slots: int, hidden: int, itemsize: int, max_tokens: int, max_bytes: int, oneshot_max: int
+    *,
+    world: int,
+    slots: int,
+    hidden: int,
+    itemsize: int,
+    max_tokens: int,
+    max_bytes: int,
+    oneshot_max: int,
+    push_max: int = 0,
 ) -> Layout:
     """The largest capacity (at most ``max_tokens``) whose buffer fits ``max_bytes``; capacity 0
     when not even one token fits. The sums region is planned only when some served token count is
-    above ``oneshot_max`` (the two-shot kernel runs only there)."""
+    above ``oneshot_max`` (the two-shot kernel runs only there). The push region is planned first:
+    ``min(push_max, oneshot_max, max_tokens)`` rows per slot, fewer when the budget would then not
+    hold one row of the inputs region, and never more than the capacity left beside it."""
     flags = flag_bytes(world, slots)
     row = hidden * itemsize
+    push_cap = max(0, min(push_max, oneshot_max, max_tokens))
+    room = max_bytes - flags - _round_up(row, ALIGN)
+    push_cap = max(0, min(push_cap, room // (2 * world * row))) if room > 0 else 0
+    while push_cap > 0 and _round_up(2 * world * push_cap * row, ALIGN) > room:
+        push_cap -= 1
+
+    def regions(budget: int) -> tuple[int, bool]:
+        """The largest capacity, and whether two-shot runs, with ``budget`` bytes for flags and regions."""
+        # One region up to the crossover, two beyond it: find the largest capacity that fits.
+        cap = min(max_tokens, oneshot_max, max(0, (budget - flags) // row))
+        two = False
+        if max_tokens > oneshot_max:
+            fit2 = max(0, (budget - flags) // (2 * row))
+            while total(fit2 + 1, True) <= budget:  # rounding slack
+                fit2 += 1
+            while fit2 > 0 and total(fit2, True) > budget:
+                fit2 -= 1
+            if min(max_tokens, fit2) > oneshot_max:
+                cap, two = min(max_tokens, fit2), True
+        while cap > 0 and total(cap, two) > budget:
+            cap -= 1
+        return cap, two
 
     def total(cap: int, two: bool) -> int:
         region = _round_up(cap * row, ALIGN)
         return flags + region * (2 if two else 1)
 
-    # One region up to the crossover, two beyond it: find the largest capacity that fits.
-    cap = min(max_tokens, oneshot_max, max(0, (max_bytes - flags) // row))
-    two = False
-    if max_tokens > oneshot_max:
-        fit2 = max(0, (max_bytes - flags) // (2 * row))
-        while total(fit2 + 1, True) <= max_bytes:  # rounding slack
-            fit2 += 1
-        while fit2 > 0 and total(fit2, True) > max_bytes:
-            fit2 -= 1
-        if min(max_tokens, fit2) > oneshot_max:
-            cap, two = min(max_tokens, fit2), True
-    while cap > 0 and total(cap, two) > max_bytes:
-        cap -= 1
+    def push_bytes(rows: int) -> int:
+        return _round_up(2 * world * rows * row, ALIGN)
+
+    cap, two = regions(max_bytes - push_bytes(push_cap))
+    if push_cap > cap:  # push slots never take the rows of tokens the op could not serve anyway
+        push_cap = cap
+        cap, two = regions(max_bytes - push_bytes(push_cap))
     region = _round_up(cap * row, ALIGN)
     in_off = flags
     sum_off = in_off + region if two else in_off
     size = total(cap, two) if cap > 0 else flags
-    return Layout(world, slots, hidden, itemsize, cap, two, flags, in_off, sum_off, size)
+    end = size + push_bytes(push_cap)
+    return Layout(world, slots, hidden, itemsize, cap, two, flags, in_off, sum_off, end, size, push_cap)
 
 
 def min_bytes(*, world: int, slots: int, hidden: int, itemsize: int) -> int:
@@ -121,7 +157,8 @@ class SymmWorkspace:
     - ``dtype``: the op's dtype (the inputs and sums regions hold it).
     - ``buffer``: this rank's uint8 buffer (``layout.total_bytes``).
     - ``peers``: int64 ``[world]`` on the device: every rank's buffer address as this process maps it.
-    - ``epochs``: int32 ``[slots]``, this rank's call counter per program (local memory).
+    - ``epochs``: int32 ``[2, slots]`` (local memory): per program, this rank's call counter, then
+      the epoch of its last flag-protocol call (the one whose ``DONE`` a copy-in waits for).
     - ``error``: int32 ``[1]``, bits of the flag kinds whose wait gave up (local memory).
     - ``handle``: torch's symmetric-memory handle (``None`` when emulated); kept alive with the buffer.
     """
@@ -166,7 +203,7 @@ def _new_local(
         dtype=dtype,
         buffer=buffer,
         peers=torch.tensor(addresses, dtype=torch.int64, device=dev),
-        epochs=torch.zeros(layout.slots, dtype=torch.int32, device=dev),
+        epochs=torch.zeros(2 * layout.slots, dtype=torch.int32, device=dev),
         error=torch.zeros(1, dtype=torch.int32, device=dev),
         handle=handle,
     )
@@ -178,17 +215,21 @@ def emulated(layout: Layout, dtype: torch.dtype, device: Any = "cpu") -> list[Sy
     import torch
 
     bufs = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(layout.world)]
+    for b in bufs:
+        b[layout.push_off :].fill_(255)
     addresses = [int(b.data_ptr()) for b in bufs]
     return [_new_local(layout, r, b, addresses, dtype, None) for r, b in enumerate(bufs)]
 
 
 def allocate_buffer(layout: Layout, device: torch.device) -> torch.Tensor:
-    """This rank's buffer from ``symm_mem.empty`` (local), its flags zeroed."""
+    """This rank's buffer from ``symm_mem.empty`` (local): its flags zeroed, its push region the
+    sentinel (the caller synchronizes before any peer may push into it)."""
     import torch
     from torch.distributed import _symmetric_memory as symm_mem
 
     buffer = symm_mem.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     buffer[: layout.flags_bytes].zero_()
+    buffer[layout.push_off :].fill_(255)
     return buffer
 
 

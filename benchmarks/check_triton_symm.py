@@ -20,6 +20,7 @@ with one rank synchronizing with itself, which is the fixed cost of publishing a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -87,6 +88,7 @@ def _local_backend(
     oneshot_max: int,
     spin_limit: int = 1 << 27,
     ready_peers: bool = True,
+    pdl: bool = True,
 ) -> Any:
     """A TritonSymmBackend over a plain (non-symmetric) workspace of ``world`` ranks in this process,
     as rank 0: world 1 makes no flag operation at all (a rank needs no flag for its own rows);
@@ -112,12 +114,77 @@ def _local_backend(
 
         flags = ws.buffer[: KINDS * slots * world * 4].view(torch.int32).view(KINDS, slots, world)
         flags[:, :, 1:] = 1 << 30
-    settings = {"max_bytes": 1 << 40, "oneshot_max_tokens": oneshot_max, "spin_limit": spin_limit}
+    settings = {"max_bytes": 1 << 40, "oneshot_max_tokens": oneshot_max, "spin_limit": spin_limit, "pdl": pdl}
     backend = TritonSymmBackend(
         problem, Comm(None, torch.device("cuda", torch.cuda.current_device())), ws, settings
     )
     backend._emulated_peers = peers  # type: ignore[attr-defined]
     return backend
+
+
+def _push_pair(problem: Any, slots: int, max_tokens: int, pdl: bool = True) -> list[Any]:
+    """Ranks 0 and 1 of a world of 2 in this process, over plain tensors, every call a push: run
+    on two streams they really push to and poll each other (the same GPU, so it shows the fixed
+    cost of the push protocol, not link latency)."""
+    import torch
+
+    from arnorm.plugin import Comm
+    from arnorm_triton._symm_backend import TritonSymmBackend
+    from arnorm_triton._symm_workspace import emulated, plan_layout
+
+    dtype = getattr(torch, problem.dtype)
+    lay = plan_layout(world=2, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
+                      max_tokens=max_tokens, max_bytes=1 << 40, oneshot_max=max_tokens,
+                      push_max=max_tokens)  # fmt: skip
+    wss = emulated(lay, dtype, "cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    settings = {"max_bytes": 1 << 40, "oneshot_max_tokens": max_tokens, "spin_limit": 1 << 27, "pdl": pdl}
+    # Not in place: the partials stay the same call after call (in place, each call's residual
+    # would be the next call's partial, doubling until it overflows).
+    problem = dataclasses.replace(problem, inplace=False)
+    pair = [TritonSymmBackend(problem, Comm(None, dev), ws, settings) for ws in wss]
+    for b in pair:
+        b._emulated_peers = wss  # type: ignore[attr-defined]
+    return pair
+
+
+def _pair_graph_time(fns: list[Any], calls: int = 20, replays: int = 20) -> float:
+    """Microseconds per call of ranks that run concurrently: rank r's ``calls`` calls captured on
+    stream r of one CUDA graph (consecutive calls of a rank stay on one stream, so programmatic
+    dependent launch applies between them as in a real step), replayed."""
+    import torch
+
+    streams = [torch.cuda.Stream() for _ in fns]
+
+    def issue(n: int) -> None:
+        here = torch.cuda.current_stream()
+        for s in streams:
+            s.wait_stream(here)
+        for s, fn in zip(streams, fns, strict=True):
+            with torch.cuda.stream(s):
+                for _ in range(n):
+                    fn()
+        for s in streams:
+            here.wait_stream(s)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        issue(3)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        issue(calls)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def _slots(world: int) -> int:
@@ -209,9 +276,9 @@ def _compile_one(cfg: tuple) -> str:
         dt = getattr(torch, dtype)
         x = torch.zeros(3, hidden, dtype=dt, device="cuda")
         scale = torch.ones(1, device="cuda")
-        b._launch(
-            x, x.clone(), torch.ones(hidden, dtype=dt, device="cuda"), scale, False, True, False, warmup=True
-        )
+        w = torch.ones(hidden, dtype=dt, device="cuda")
+        # One kernel serves every call kind (push, one-/two-shot, copy-in, end-wait are runtime flags).
+        b._launch(x, x.clone(), w, scale, False, False, True, False, warmup=True)
         b.launcher.wait_done(warmup=True)
         return f"ok {time.perf_counter() - t0:5.1f} s {cfg}"
     except Exception as exc:
@@ -326,16 +393,21 @@ def tp1(deadline: float) -> int:
 
     t_end = time.perf_counter() + deadline
     rows, data, eager = [], [], []
-    cols = ("triton", "symm one-shot", "symm one-shot W=2", "symm two-shot W=2")
+    cols = ("triton", "symm W=1", "flags W=2", "push W=2", "push W=2 no PDL", "two-shot W=2")
+    checks: list[str] = []
     for hidden in (4096, 8192):
         for quant, layout in ((None, None), ("fp8_static", None), ("nvfp4", "swizzled_128x4")):
             problem = _problem(1, hidden, "bfloat16", quant, layout, max_tokens=1024)
             tri = TritonBackend.create(problem, Comm(None, torch.device("cuda", 0)), TritonSettings())
             backends = {
                 "triton": tri,
-                "symm one-shot": _local_backend(problem, _slots(1), 1, oneshot_max=1024),
-                "symm one-shot W=2": _local_backend(problem, _slots(2), 2, oneshot_max=1024),
-                "symm two-shot W=2": _local_backend(problem, _slots(2), 2, oneshot_max=0),
+                "symm W=1": _local_backend(problem, _slots(1), 1, oneshot_max=1024),
+                "flags W=2": _local_backend(problem, _slots(2), 2, oneshot_max=1024),
+                "two-shot W=2": _local_backend(problem, _slots(2), 2, oneshot_max=0),
+            }
+            pairs = {
+                "push W=2": _push_pair(problem, _slots(2), 128),
+                "push W=2 no PDL": _push_pair(problem, _slots(2), 128, pdl=False),
             }
             for t in (1, 16, 128, 1024):
                 if time.perf_counter() > t_end:
@@ -350,26 +422,45 @@ def tp1(deadline: float) -> int:
                     times[name] = _graph_time(functools.partial(b, xs, res, w, scale))
                     if name != "triton":
                         b.check()
-                ratio = times["symm one-shot W=2"] / times["triton"]
+                for name, pair in pairs.items():
+                    if t > 128:
+                        times[name] = float("nan")
+                        continue
+                    xs = [x.clone(), (x * 0.5).clone()]
+                    fns = [functools.partial(b, xs[r], res.clone(), w, scale) for r, b in enumerate(pair)]
+                    times[name] = _pair_graph_time(fns)
+                    for b in pair:
+                        b.check()
+                    if t == 16 and name == "push W=2":
+                        checks.append(_push_pair_check(pair, x, res, w, scale, problem))
+                ratio = times["push W=2"] / times["triton"]
                 cells = " | ".join(f"{times[k]:.2f}" for k in cols)
                 rows.append(f"| {hidden} | {quant or 'none'} | {t} | {cells} | {ratio:.2f}x |")
                 data.append({"hidden": hidden, "quant": quant, "tokens": t, **times})
                 if t == 1 and hidden == 4096:
                     eager.append(_eager_row(quant, backends, x, res, w, scale))
     lines = [
-        "One process. `symm one-shot`: world size 1, where the kernel makes no flag operation at all "
-        "(a rank needs no flag for its own rows): publish, sum, epilogue. `W=2`: rank 0 of a world "
-        "of 2 whose peer is always ready (its flags preset far ahead, its buffer a local tensor): "
-        "every flag release, poll and peer load a TP 2 call makes, without waiting for anyone: the "
-        "fixed cost of the protocol. CUDA graph of 20 calls, replayed; microseconds per call. "
-        "triton_symm itself is never selected at TP 1. Target (issue 13): one-shot within 1.15x "
-        "of triton at T <= 128 (the ratio column: one-shot W=2 / triton).",
+        "One process. `symm W=1`: world size 1, where the kernel makes no flag operation at all "
+        "(a rank needs no flag for its own rows): publish, sum, epilogue. `flags W=2`: one-shot "
+        "through the flag protocol as rank 0 of a world of 2 whose peer is always ready (its flags "
+        "preset far ahead, its buffer a local tensor): every flag release, poll and peer load a TP 2 "
+        "call makes, without waiting for anyone. `push W=2`: ranks 0 and 1 of a world of 2 in this "
+        "process on two streams, really pushing to and polling each other (T <= 128, the default "
+        "push range; `no PDL`: plain launches). That is the fixed cost of the protocol on one GPU: "
+        "no link latency. CUDA graph of 20 calls per rank, replayed; microseconds per call. "
+        "triton_symm itself is never selected at TP 1. Target (issue 13): within 1.15x of triton at "
+        "T <= 128 (the ratio column: push W=2 / triton).",
         "",
-        "| H | quant | T | " + " us | ".join(cols) + " us | one-shot W=2 / triton |",
+        "| H | quant | T | " + " us | ".join(cols) + " us | push W=2 / triton |",
         "|---:|---|---:|" + "---:|" * (len(cols) + 1),
         *rows,
         "",
-        "Eager host time (H 4096, T 1, one-shot W=2; microseconds per call, 200 calls, then one "
+        "Push pair results against the reference (T 16, after the timed replays; every rank's "
+        "residual bitwise, both ranks identical):",
+        "",
+        *(f"- {c}" for c in checks),
+        "",
+        "Eager host time (H 4096, T 1, flags W=2; microseconds per call, 200 calls, then one "
         "synchronize): triton_symm through its direct launch and through `kernel[grid]`, triton's "
         "for reference.",
         "",
@@ -381,9 +472,32 @@ def tp1(deadline: float) -> int:
     return 0
 
 
+def _push_pair_check(pair: list[Any], x: Any, res: Any, w: Any, scale: Any, problem: Any) -> str:
+    """One concurrent push call of the pair against the rank-order reference."""
+    import torch
+
+    from arnorm.plugin import add_rmsnorm, rank_order_sum
+
+    parts = [x.clone(), (x * 0.5).clone()]
+    side = [torch.cuda.Stream() for _ in pair]
+    outs = []
+    for r, b in enumerate(pair):
+        side[r].wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side[r]):
+            outs.append(b(parts[r], res, w, scale))
+    for s in side:
+        torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    h_ref, _ = add_rmsnorm(rank_order_sum([x, x * 0.5]), res, w, problem.eps, problem.weight_offset)
+    same = [bool(torch.equal(o.residual.view(torch.int16), h_ref.view(torch.int16))) for o in outs]
+    agree = bool(torch.equal(outs[0].residual.view(torch.int16), outs[1].residual.view(torch.int16)))
+    what = f"H {problem.hidden_size} {problem.quant or 'none'}"
+    return f"{what}: residual bitwise {same}, ranks identical {agree}"
+
+
 def _eager_row(quant: Any, backends: dict, x: Any, res: Any, w: Any, scale: Any) -> str:
     """Host microseconds per eager call of triton_symm (direct, then kernel[grid]) and triton."""
-    b = backends["symm one-shot W=2"]
+    b = backends["flags W=2"]
     bound = b.bind_direct(x.clone(), res, w, scale, two_shot=False)
     direct = _eager_time(functools.partial(b, x.clone(), res, w, scale), 200)
     b.launcher.unbind()
@@ -411,11 +525,15 @@ def _tp2_rank(rank: int, world: int, deadline: float) -> list[dict]:
     rows = []
     for hidden, quant in ((4096, None), (4096, "fp8_static"), (8192, None)):
         ops = {}
-        for name, oneshot in (("symm one-shot", 4096), ("symm two-shot", 0)):
+        # One-shot: push up to 128 tokens (the default) then flags; or flags only.
+        for name, oneshot, push in (
+            ("symm one-shot", 4096, 128),
+            ("symm flags", 4096, 0),
+            ("symm two-shot", 0, 0),
+        ):
             # A short spin limit: ranks that fell out of step end a step in seconds, not minutes.
-            cfg = arnorm.Config(
-                settings={"triton_symm": {"oneshot_max_tokens": oneshot, "spin_limit": 1 << 24}}
-            )
+            knobs = {"oneshot_max_tokens": oneshot, "push_max_tokens": push, "spin_limit": 1 << 24}
+            cfg = arnorm.Config(settings={"triton_symm": knobs})
             ops[name] = arnorm.AllReduceNorm(dist.group.WORLD, hidden_size=hidden, dtype=torch.bfloat16,
                                              norm=arnorm.RMSNorm(1e-6, 1.0), quant=quant, max_tokens=1024,
                                              backend="triton_symm", device=dev, config=cfg)  # fmt: skip
@@ -459,15 +577,16 @@ def tp2(deadline: float) -> int:
         )
         return 1
     rows = per_rank[0]
-    keys = ["symm one-shot graph", "symm two-shot graph", "symm one-shot eager", "symm two-shot eager",
-            "triton (gloo) eager"]  # fmt: skip
+    keys = ["symm one-shot graph", "symm flags graph", "symm two-shot graph", "symm one-shot eager",
+            "symm two-shot eager", "triton (gloo) eager"]  # fmt: skip
     lines = [
         "**Correctness and plumbing only, not speed**: two processes time-slice one GPU (each "
         "kernel that waits for its peer holds the GPU until the context switch), and NCCL refuses two "
         "ranks on one GPU, so `triton` runs its all-reduce over gloo (through host memory). On distinct "
         "GPUs, measure with `arnorm bench --tp 2 --device cuda --backends triton_symm,triton` "
         "(benchmarks/results/README.md).",
-        "Microseconds per call, rank 0.",
+        "Microseconds per call, rank 0. `symm one-shot` pushes up to T 128 (the default), `symm flags` "
+        "is one-shot through the flag protocol.",
         "",
         "| H | quant | T | " + " | ".join(keys) + " |",
         "|---:|---|---:|" + "---:|" * len(keys),

@@ -119,15 +119,16 @@ def _check(out, s, res, w, problem, scale, what: str) -> list[str]:
 # -- functions the ranks run -----------------------------------------------------------------------
 
 
-def rank_formats(rank: int, world: int, cases: list[tuple]) -> list[str]:
-    """Each (quant, layout, dtype, offset, rbw, normed) case at T = 1, 7, 128 (one-shot), 129, 300
-    and the budget edge (two-shot): the contract against the rank-order sum, outputs identical on
-    every rank, no timed-out wait; T above the budget is not served."""
+def rank_formats(rank: int, world: int, cases: list[tuple], settings: dict | None = None) -> list[str]:
+    """Each (quant, layout, dtype, offset, rbw, normed) case at T = 1, 7, 128 (one-shot: push, or
+    flags with ``push_max_tokens=0``), 129, 300 and the budget edge (two-shot): the contract
+    against the rank-order sum, outputs identical on every rank, no timed-out wait; T above the
+    budget is not served."""
     failures = []
     for quant, layout, dtype_name, offset, rbw, normed in cases:
         dtype = getattr(torch, dtype_name)
         name = f"rank {rank} {dtype_name} {quant} {layout} offset={offset} rbw={rbw} normed={normed}"
-        with _op(dtype, quant, layout, offset=offset, rbw=rbw, normed=normed) as op:
+        with _op(dtype, quant, layout, offset=offset, rbw=rbw, normed=normed, **(settings or {})) as op:
             cap = _backend(op).capacity
             if not 300 < cap < MAX_TOKENS:
                 failures.append(f"{name}: capacity {cap} (needs 300 < cap < {MAX_TOKENS} for this test)")
@@ -161,11 +162,11 @@ def rank_fall_through(rank: int, world: int) -> list[str]:
     return failures
 
 
-def rank_zero_copy(rank: int, world: int) -> list[str]:
-    """Partials written into op.input_buffer(T) (zero-copy), interleaved with copied calls, one- and
-    two-shot: correct every time; the residual never lands in the shared buffer."""
+def rank_zero_copy(rank: int, world: int, settings: dict | None = None) -> list[str]:
+    """Partials written into op.input_buffer(T) (zero-copy), interleaved with copied calls, one-shot
+    (push, or flags) and two-shot: correct every time; the residual never lands in the shared buffer."""
     failures = []
-    with _op(torch.bfloat16, "fp8_static") as op:
+    with _op(torch.bfloat16, "fp8_static", **(settings or {})) as op:
         for i, (t, zero) in enumerate(
             [(5, False), (5, True), (200, True), (1, False), (200, False), (7, True)] * 3
         ):
@@ -183,13 +184,14 @@ def rank_zero_copy(rank: int, world: int) -> list[str]:
     return failures
 
 
-def rank_graph(rank: int, world: int, t: int, quant, layout, replays: int, zero_copy: bool) -> list[str]:
+def rank_graph(rank: int, world: int, t: int, quant, layout, replays: int, zero_copy: bool,
+               settings: dict | None = None) -> list[str]:  # fmt: skip
     """Capture one call in a CUDA graph and replay it ``replays`` times with new partials and
     residuals each time: the residual is bitwise the reference's after every replay (checked on the
     device, one sync at the end), the full contract every 100th replay, no timed-out wait."""
     failures = []
     dev = _device()
-    with _op(torch.bfloat16, quant, layout) as op:
+    with _op(torch.bfloat16, quant, layout, **(settings or {})) as op:
         partials, res0, w, s, scale = _inputs(t, torch.bfloat16, world, 1.0, 7, quant)
         res = res0.clone()
         staging = partials[rank].clone()
@@ -246,7 +248,7 @@ def rank_late(rank: int, world: int) -> list[str]:
     return failures
 
 
-def rank_timeout(rank: int, world: int) -> list[str]:
+def rank_timeout(rank: int, world: int, settings: dict | None = None) -> list[str]:
     """With a small spin limit (2**16 polls: tens of milliseconds of polling, far more than ranks in
     step need even on a time-sliced GPU), a rank that arrives 6 s late makes its peers' waits give
     up: check() raises there (and only there) instead of the kernel hanging; afterwards calls are
@@ -258,7 +260,7 @@ def rank_timeout(rank: int, world: int) -> list[str]:
     import arnorm
 
     failures = []
-    with _op(spin_limit=1 << 16) as op:
+    with _op(spin_limit=1 << 16, **(settings or {})) as op:
         partials, res, w, s, scale = _inputs(4, torch.bfloat16, world, 1.0, 400)
         if rank == world - 1:
             time.sleep(6.0)
@@ -317,12 +319,19 @@ def _format_cases():
     return cases
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_format_bitwise_on_every_rank(world):
-    """Every format (bf16), one-shot and two-shot, T from 1 to the budget edge: residual bitwise
-    the rank-order reference, normed within 1 ulp, codes bitwise quantize(normed), every rank
-    identical."""
-    _run(world, rank_formats, _format_cases())
+#: One-shot through the flag protocol instead of push (push serves T <= 128 by default).
+FLAGS = {"push_max_tokens": 0}
+WORLDS, WORLD_IDS = [(2, None), (4, None), (2, FLAGS)], ["tp2", "tp4", "tp2-flags"]
+
+
+@pytest.mark.parametrize(
+    ("world", "settings"), [(2, None), (4, None), (2, FLAGS)], ids=["tp2", "tp4", "tp2-flags"]
+)
+def test_every_format_bitwise_on_every_rank(world, settings):
+    """Every format (bf16), one-shot (push; flags in tp2-flags) and two-shot, T from 1 to the budget
+    edge: residual bitwise the rank-order reference, normed within 1 ulp, codes bitwise
+    quantize(normed), every rank identical."""
+    _run(world, rank_formats, _format_cases(), settings)
 
 
 def test_other_dtypes_rounding_order_and_unnormed():
@@ -341,26 +350,39 @@ def test_fall_through_above_the_budget():
     _run(2, rank_fall_through)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_zero_copy_input(world):
+@pytest.mark.parametrize(
+    ("world", "settings"), [(2, None), (4, None), (2, FLAGS)], ids=["tp2", "tp4", "tp2-flags"]
+)
+def test_zero_copy_input(world, settings):
     """input_buffer views skip the copy and stay correct, mixed with copied calls."""
-    _run(world, rank_zero_copy)
+    _run(world, rank_zero_copy, settings)
 
 
 @pytest.mark.parametrize(
-    ("world", "t", "quant", "layout", "replays", "zero_copy"),
+    ("world", "t", "quant", "layout", "replays", "zero_copy", "settings"),
     [
-        (2, 7, "fp8_static", None, 1000, False),
-        (2, 300, "nvfp4", "swizzled_128x4", 1000, False),
-        (2, 7, None, None, 300, True),
-        (4, 7, "mxfp8", "swizzled_128x4", 1000, False),
-        (4, 300, None, None, 300, False),
+        (2, 7, "fp8_static", None, 1000, False, None),
+        (2, 7, "fp8_static", None, 1000, False, FLAGS),
+        (2, 300, "nvfp4", "swizzled_128x4", 1000, False, None),
+        (2, 7, None, None, 300, True, None),
+        (2, 7, None, None, 300, True, FLAGS),
+        (4, 7, "mxfp8", "swizzled_128x4", 1000, False, None),
+        (4, 300, None, None, 300, False, None),
     ],
-    ids=["tp2-oneshot", "tp2-twoshot", "tp2-zero-copy", "tp4-oneshot", "tp4-twoshot"],
+    ids=[
+        "tp2-push",
+        "tp2-oneshot-flags",
+        "tp2-twoshot",
+        "tp2-zero-copy",
+        "tp2-zero-copy-flags",
+        "tp4-push",
+        "tp4-twoshot",
+    ],
 )
-def test_cuda_graph_replays(world, t, quant, layout, replays, zero_copy):
-    """A captured call replays 1,000 times (flags are epochs, never reset) with new inputs, exactly."""
-    _run(world, rank_graph, t, quant, layout, replays, zero_copy, timeout=400)
+def test_cuda_graph_replays(world, t, quant, layout, replays, zero_copy, settings):
+    """A captured call replays 1,000 times (flags are epochs and push slots alternate, neither is
+    reset) with new inputs, exactly."""
+    _run(world, rank_graph, t, quant, layout, replays, zero_copy, settings, timeout=400)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -369,9 +391,10 @@ def test_late_rank(world):
     _run(world, rank_late)
 
 
-def test_bounded_wait_records_a_timeout():
+@pytest.mark.parametrize("settings", [None, FLAGS], ids=["push", "flags"])
+def test_bounded_wait_records_a_timeout(settings):
     """A peer that never comes in time trips the spin limit: the waiting rank's check() raises."""
-    _run(2, rank_timeout)
+    _run(2, rank_timeout, settings)
 
 
 def test_close_frees_the_workspace():

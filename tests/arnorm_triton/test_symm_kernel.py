@@ -51,13 +51,16 @@ def _check_all_ranks(outs, parts, res, w, problem, scale):
             assert_quant_equal(out.quant, first.quant)
 
 
-@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
+KINDS = {"one_shot": {}, "two_shot": {"two_shot": True}, "push": {"push": True}}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_every_format_bitwise_on_every_rank(variant, world, two_shot):
-    """2 and 4 ranks, one- and two-shot, every format: residual bitwise the reference's, normed
-    within 1 ulp, codes bitwise quantize(normed), and all ranks bitwise identical (T = 9 rows over 4
-    programs: several rows per program, uneven shares)."""
+def test_every_format_bitwise_on_every_rank(variant, world, kind):
+    """2 and 4 ranks, push, one- and two-shot, every format: residual bitwise the reference's,
+    normed within 1 ulp, codes bitwise quantize(normed), and all ranks bitwise identical (T = 9 rows
+    over 4 programs: several rows per program, uneven shares)."""
     quant, layout = variant
     t = 9
     parts, res, w = _inputs(world, t, offset=1.0, seed=world)
@@ -65,18 +68,18 @@ def test_every_format_bitwise_on_every_rank(variant, world, two_shot):
     problem = make_problem(
         H, torch.bfloat16, quant, layout, weight_offset=1.0, world_size=world, device=DEVICE
     )
-    outs, _ = emulate_call(parts, res, w, scale, weight_offset=1.0, quant=quant, layout=layout,
-                           two_shot=two_shot, slots=4)  # fmt: skip
+    outs, _ = emulate_call(parts, res, w, scale, weight_offset=1.0, quant=quant, layout=layout, slots=4,
+                           **KINDS[kind])  # fmt: skip
     _check_all_ranks(outs, parts, res, w, problem, scale)
 
 
-@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
-def test_other_dtypes(dtype, two_shot):
+def test_other_dtypes(dtype, kind):
     """fp16 and fp32 partials sum in fp32 in rank order and round once, as the reference."""
     parts, res, w = _inputs(3, 6, dtype, seed=3)
     problem = make_problem(H, dtype, world_size=3, device=DEVICE)
-    outs, _ = emulate_call(parts, res, w, None, two_shot=two_shot, slots=3)
+    outs, _ = emulate_call(parts, res, w, None, slots=3, **KINDS[kind])
     _check_all_ranks(outs, parts, res, w, problem, None)
 
 
@@ -157,3 +160,59 @@ def test_single_row_and_unnormed_output():
         assert out.normed is None
         assert_bitwise(out.residual, h_ref, "residual")
         assert_quant_equal(out.quant, ref.quant)
+
+
+def _sentinel_bits(dtype):
+    return torch.tensor([-1], dtype=torch.int16 if dtype.itemsize == 2 else torch.int32).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_push_sentinel_values_nan_and_negative_zero(dtype):
+    """Push: an input element whose bits are the sentinel (all set) is summed as a NaN, not waited
+    for; other NaNs stay NaN; all--0.0 rows stay -0.0; every other element is bitwise the
+    reference's, on every rank."""
+    parts, res, w = _inputs(3, 4, dtype, seed=13)
+    parts[1][0, 5] = _sentinel_bits(dtype).to(DEVICE)[0]
+    parts[0][1, 3] = float("nan")
+    for p in parts:
+        p[2] = -0.0
+    res[2] = -0.0
+    outs, wss = emulate_call(parts, res, w, None, push=True, slots=4)
+    ref, _ = add_rmsnorm(rank_order_sum(parts), res, w, 1e-6, 0.0)
+    nan = torch.isnan(ref)
+    assert int(nan.sum()) == 2
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+    for out in outs:
+        assert torch.equal(torch.isnan(out.residual), nan)
+        assert torch.equal(out.residual.view(bits)[~nan], ref.view(bits)[~nan])
+        assert bool(torch.signbit(out.residual[2]).all())
+    lay = wss[0].layout
+    for ws in wss:  # every slot read is the sentinel again
+        assert bool((ws.buffer[lay.push_off :] == 255).all())
+
+
+def test_push_slots_alternate_over_calls():
+    """Push calls reuse the workspaces call after call (slot e % 2 per program), mixed with flag
+    calls of other kinds and token counts: every result exact, the push region all sentinel after
+    each call, and per program the epochs hold the call count, then the last flag call's epoch."""
+    from arnorm_triton._symm_workspace import emulated, plan_layout
+
+    lay = plan_layout(world=2, slots=4, hidden=H, itemsize=2, max_tokens=9, max_bytes=1 << 30, oneshot_max=5,
+                      push_max=5)  # fmt: skip
+    wss = emulated(lay, torch.bfloat16, DEVICE)
+    calls = [(3, "push"), (5, "push"), (2, "one_shot"), (1, "push"), (9, "two_shot"), (4, "push"),
+             (2, "push")]  # fmt: skip
+    for i, (t, kind) in enumerate(calls):
+        parts, res, w = _inputs(2, t, seed=20 + i)
+        problem = make_problem(H, torch.bfloat16, world_size=2, device=DEVICE)
+        outs, wss = emulate_call(parts, res, w, None, workspaces=wss, **KINDS[kind])
+        _check_all_ranks(outs, parts, res, w, problem, None)
+        assert all(bool((ws.buffer[lay.push_off :] == 255).all()) for ws in wss)
+    counts, last_flag = [0] * 4, [0] * 4
+    for t, kind in calls:
+        for b in range(min(t, 4)):
+            counts[b] += 1
+            if kind != "push":
+                last_flag[b] = counts[b]
+    for ws in wss:
+        assert ws.epochs.tolist() == counts + last_flag

@@ -132,24 +132,31 @@ def test_explain_names_why_not_on_cpu(clean_env):
 # -- the workspace budget ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("push_max", [0, 128])
 @pytest.mark.parametrize("max_tokens", [1, 100, 128, 129, 5000])
 @pytest.mark.parametrize("budget", [10_000, 1 << 20, 64 << 20])
-def test_layout_fits_the_budget(budget, max_tokens):
+def test_layout_fits_the_budget(budget, max_tokens, push_max):
     """The planned buffer never exceeds the budget, serves as many tokens as fit (up to
-    max_tokens), keeps regions aligned, and has a sums region only when two-shot can run."""
-    lay = plan_layout(world=4, slots=132, hidden=4096, itemsize=2, max_tokens=max_tokens, max_bytes=budget,
-                      oneshot_max=128)  # fmt: skip
+    max_tokens), keeps regions aligned, and has a sums region only when two-shot can run; the push
+    region (after the others) never takes the last row a budget holds, nor more rows than one-shot
+    serves."""
+    kw = {"world": 4, "slots": 132, "hidden": 4096, "itemsize": 2, "oneshot_max": 128, "push_max": push_max}
+    lay = plan_layout(max_tokens=max_tokens, max_bytes=budget, **kw)
     assert lay.total_bytes <= budget or lay.capacity == 0
     assert lay.capacity <= max_tokens
-    assert lay.in_off % ALIGN == 0 and lay.sum_off % ALIGN == 0
+    assert lay.in_off % ALIGN == 0 and lay.sum_off % ALIGN == 0 and lay.push_off % ALIGN == 0
     assert lay.two_shot == (lay.capacity > 128)
+    assert lay.push_cap <= min(push_max, 128, max_tokens, lay.capacity)
+    assert lay.push_bytes >= 2 * 4 * lay.push_cap * lay.row_bytes
     if lay.capacity:
+        assert lay.push_off >= (lay.sum_off if lay.two_shot else lay.in_off) + lay.capacity * lay.row_bytes
         assert lay.sum_off >= lay.in_off + lay.capacity * lay.row_bytes or not lay.two_shot
-        bigger = plan_layout(world=4, slots=132, hidden=4096, itemsize=2, max_tokens=max_tokens,
-                             max_bytes=budget + lay.row_bytes * 2 + 2 * ALIGN, oneshot_max=128)  # fmt: skip
+        bigger = plan_layout(max_tokens=max_tokens, max_bytes=budget + lay.row_bytes * 2 + 2 * ALIGN, **kw)
         assert bigger.capacity >= lay.capacity  # monotone in the budget
     one_token = min_bytes(world=4, slots=132, hidden=4096, itemsize=2)
     assert (lay.capacity == 0) == (budget < one_token)
+    if budget == 64 << 20 and max_tokens >= 128 and push_max:
+        assert lay.push_cap == 128  # the default budget holds the default push slots at H 4096, TP 4
 
 
 def _fake_comm(world: int = 2, rank: int = 0, gathered=None):
@@ -161,10 +168,10 @@ def _fake_comm(world: int = 2, rank: int = 0, gathered=None):
     return comm
 
 
-def _backend(max_tokens: int = 300, oneshot_max: int = 128, max_bytes: int = 1 << 30):
+def _backend(max_tokens: int = 300, oneshot_max: int = 128, max_bytes: int = 1 << 30, push_max: int = 0):
     problem = make_problem(H, torch.bfloat16, world_size=2, max_tokens=max_tokens)
     lay = plan_layout(world=2, slots=4, hidden=H, itemsize=2, max_tokens=max_tokens, max_bytes=max_bytes,
-                      oneshot_max=oneshot_max)  # fmt: skip
+                      oneshot_max=oneshot_max, push_max=push_max)  # fmt: skip
     ws = emulated(lay, torch.bfloat16)[0]
     settings = {"max_bytes": max_bytes, "oneshot_max_tokens": oneshot_max, "spin_limit": 1000}
     return TritonSymmBackend(problem, Comm(None, torch.device("cpu")), ws, settings)
@@ -207,14 +214,14 @@ def test_call_picks_the_kernel_variant(monkeypatch):
         x = torch.zeros(t, H, dtype=torch.bfloat16)
         out = b(x, res[:t], w, None)
         _, kw = calls.pop()
-        assert kw == {"two_shot": t > 128, "copy_in": True, "end_wait": False, "warmup": False}
+        assert kw == {"push": False, "two_shot": t > 128, "copy_in": True, "end_wait": False, "warmup": False}
         assert out.residual is x  # in place
     view = b.input_buffer(5)
     assert calls.pop() == ("wait_done", {})
     assert view.shape == (5, H) and view.data_ptr() == b.workspace.input_ptr()
     out = b(view, res[:5], w, None)
     _, kw = calls.pop()
-    assert kw == {"two_shot": False, "copy_in": False, "end_wait": True, "warmup": False}
+    assert kw == {"push": False, "two_shot": False, "copy_in": False, "end_wait": True, "warmup": False}
     assert out.residual.data_ptr() != view.data_ptr()
     b.input_buffer(5)
     assert not calls  # the wait runs once
@@ -230,10 +237,32 @@ def test_warm_up_variants_are_safe_in_order():
     """Warm-up covers every variant a call can take, a zero-copy one only after one that waited at
     its end; only one-shot below the crossover, only two-shot with crossover 0."""
     assert _backend(max_tokens=64, oneshot_max=128)._variants() == [
-        (False, True, False), (False, True, True), (False, False, True),
+        (False, False, True, False), (False, False, True, True), (False, False, False, True),
     ]  # fmt: skip
-    assert [v[0] for v in _backend(max_tokens=300, oneshot_max=0)._variants()] == [True] * 3
-    assert [v[0] for v in _backend(max_tokens=300, oneshot_max=128)._variants()] == [False] * 3 + [True] * 3
+    assert [v[1] for v in _backend(max_tokens=300, oneshot_max=0)._variants()] == [True] * 3
+    assert [v[1] for v in _backend(max_tokens=300, oneshot_max=128)._variants()] == [False] * 3 + [True] * 3
+    with_push = _backend(max_tokens=300, oneshot_max=128, push_max=16)._variants()
+    assert with_push[0] == (True, False, True, False) and not any(v[0] for v in with_push[1:])
+    # Push is a way of running one-shot: none when every call is two-shot.
+    assert not any(v[0] for v in _backend(max_tokens=300, oneshot_max=0, push_max=16)._variants())
+
+
+def test_call_pushes_up_to_push_max_tokens(monkeypatch):
+    """Calls up to push_max_tokens push (zero-copy ones too: the view is read locally), the rest
+    of one-shot takes the flags; push calls never wait at their end."""
+    b = _backend(max_tokens=300, oneshot_max=128, push_max=16)
+    assert b.push_max_tokens == 16
+    calls = []
+    monkeypatch.setattr(b.launcher, "launch", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(b.launcher, "wait_done", lambda **k: None)
+    res, w = torch.zeros(300, H, dtype=torch.bfloat16), torch.ones(H, dtype=torch.bfloat16)
+    for t in (1, 16, 17, 129):
+        b(torch.zeros(t, H, dtype=torch.bfloat16), res[:t], w, None)
+        assert (calls.pop()["push"], t) == (t <= 16, t)
+    view = b.input_buffer(4)
+    out = b(view, res[:4], w, None)
+    assert calls.pop()["push"] is True
+    assert out.residual.data_ptr() != view.data_ptr()
 
 
 # -- topology ----------------------------------------------------------------------------------

@@ -20,25 +20,28 @@ from arnorm.testing import run_ranks
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run")]
 
 H = 64
+QUANT = "nvfp4"
 MAX_TOKENS = 8
 SLOTS = 2
 
 
-def _layout(world: int):
+def _layout(world: int, push_max: int):
     from arnorm_triton._symm_workspace import plan_layout
 
     return plan_layout(world=world, slots=SLOTS, hidden=H, itemsize=2, max_tokens=MAX_TOKENS,
-                       max_bytes=1 << 20, oneshot_max=3)  # fmt: skip
+                       max_bytes=1 << 20, oneshot_max=3, push_max=push_max)  # fmt: skip
 
 
-def _files(tmp_path, world: int) -> str:
-    size = _layout(world).total_bytes
+def _files(tmp_path, world: int, push_max: int = 0) -> str:
+    from arnorm_triton._symm_emulation import initial_contents
+
     for r in range(world):
-        (tmp_path / f"rank{r}.buf").write_bytes(b"\0" * size)
+        (tmp_path / f"rank{r}.buf").write_bytes(initial_contents(_layout(world, push_max)))
     return str(tmp_path)
 
 
-def rank_calls(rank: int, world: int, directory: str, quant, calls: list[tuple], spin_limit: int) -> list:
+def rank_calls(rank: int, world: int, directory: str, quant, calls: list[tuple], spin_limit: int,
+               push_max: int = 0) -> list:  # fmt: skip
     """Build this rank's backend over the shared files and make ``calls`` (tokens, zero-copy, late
     rank, late seconds); return (failures, the timeout bits after each call, the final epochs)."""
     from arnorm_triton._symm_backend import TritonSymmBackend
@@ -46,7 +49,7 @@ def rank_calls(rank: int, world: int, directory: str, quant, calls: list[tuple],
 
     failures, errors = [], []
     problem = make_problem(H, torch.bfloat16, quant, world_size=world, max_tokens=MAX_TOKENS)
-    ws = shared_workspace(_layout(world), torch.bfloat16, directory, rank)
+    ws = shared_workspace(_layout(world, push_max), torch.bfloat16, directory, rank)
     settings = {"max_bytes": 1 << 20, "oneshot_max_tokens": 3, "spin_limit": spin_limit}
     backend = TritonSymmBackend(problem, Comm(None, torch.device("cpu")), ws, settings)
     for i, (t, zero_copy, late_rank, late_s) in enumerate(calls):
@@ -83,8 +86,32 @@ def test_protocol_across_processes(tmp_path):
         assert not failures, "\n".join(failures)
         assert errors == [0] * len(calls)
     epochs = [r[2] for r in results]
-    # Program 0 runs every call; program 1 every call with T >= 2.
-    assert epochs[0] == epochs[1] == [len(calls), sum(1 for c in calls if c[0] >= 2)]
+    # Program 0 runs every call; program 1 every call with T >= 2 (then the last call's epochs again:
+    # every call here is a flag call).
+    counts = [len(calls), sum(1 for c in calls if c[0] >= 2)]
+    assert epochs[0] == epochs[1] == counts + counts
+
+
+def test_push_protocol_across_processes(tmp_path):
+    """Two ranks whose one-shot calls (T <= 2) push: the ranks really poll each other's pushes, a
+    rank 0.3 s late included, mixed with flag calls (T = 3 one-shot, two-shot, zero-copy) that must
+    wait for the right epoch of DONE although push calls signal none: every result exact, no wait
+    gives up."""
+    calls = [(2, False, -1, 0.0), (1, False, 1, 0.3), (3, False, -1, 0.0), (2, False, 0, 0.3),
+             (6, False, -1, 0.0), (1, True, -1, 0.0), (3, True, 1, 0.3), (2, False, -1, 0.0)]  # fmt: skip
+    results = run_ranks(2, rank_calls, _files(tmp_path, 2, 2), QUANT, calls, 1 << 30, 2, timeout=300)
+    for failures, errors, _ in results:
+        assert not failures, "\n".join(failures)
+        assert errors == [0] * len(calls)
+    assert results[0][2] == results[1][2]
+
+
+def test_bounded_push_wait_records_the_timeout(tmp_path):
+    """A push wait gives up after the spin limit (bit 3 of the error word) instead of hanging."""
+    calls = [(1, False, 1, 1.5)]
+    results = run_ranks(2, rank_calls, _files(tmp_path, 2, 2), None, calls, 50, 2, timeout=300)
+    (_, errors0, _), (_, errors1, _) = results
+    assert errors0[0] & 8 and errors1 == [0]
 
 
 def test_protocol_three_ranks(tmp_path):
