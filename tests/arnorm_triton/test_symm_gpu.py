@@ -67,7 +67,11 @@ def _op(dtype=torch.bfloat16, quant=None, layout=None, *, offset=1.0, rbw=False,
 
     import arnorm
 
-    settings.setdefault("max_bytes", BUDGET * dtype.itemsize // 2)  # the same capacity for every dtype
+    # The same capacity for every dtype, world size and push setting: the push slots come on top.
+    oneshot = int(os.environ.get("ARNORM_TRITON_SYMM_ONESHOT_MAX_TOKENS", 128))
+    push = min(settings.get("push_max_tokens", 128), oneshot)
+    slots = 2 * dist.get_world_size() * push * H * dtype.itemsize
+    settings.setdefault("max_bytes", BUDGET * dtype.itemsize // 2 + slots)
     return arnorm.AllReduceNorm(
         dist.group.WORLD, hidden_size=H, dtype=dtype, norm=arnorm.RMSNorm(1e-6, offset, rbw), quant=quant,
         scale_layout=layout, max_tokens=max_tokens, backend=backend, normed_output=normed, device=_device(),
@@ -130,6 +134,9 @@ def rank_formats(rank: int, world: int, cases: list[tuple], settings: dict | Non
         name = f"rank {rank} {dtype_name} {quant} {layout} offset={offset} rbw={rbw} normed={normed}"
         with _op(dtype, quant, layout, offset=offset, rbw=rbw, normed=normed, **(settings or {})) as op:
             cap = _backend(op).capacity
+            push = _backend(op).push_max_tokens
+            if push != (settings or {}).get("push_max_tokens", 128):
+                failures.append(f"{name}: push serves T <= {push} (needs the setting's value: the budget)")
             if not 300 < cap < MAX_TOKENS:
                 failures.append(f"{name}: capacity {cap} (needs 300 < cap < {MAX_TOKENS} for this test)")
                 continue
