@@ -122,10 +122,10 @@ def _local_backend(
     return backend
 
 
-def _push_pair(problem: Any, slots: int, max_tokens: int, pdl: bool = True) -> list[Any]:
-    """Ranks 0 and 1 of a world of 2 in this process, over plain tensors, every call a push: run
-    on two streams they really push to and poll each other (the same GPU, so it shows the fixed
-    cost of the push protocol, not link latency)."""
+def _pair(problem: Any, slots: int, max_tokens: int, pdl: bool = True, push: bool = True) -> list[Any]:
+    """Ranks 0 and 1 of a world of 2 in this process, over plain tensors, every call one-shot by
+    push (else through the flags): run on two streams they really synchronize with each other (the
+    same GPU, so it shows the fixed cost of the protocol, not link latency)."""
     import torch
 
     from arnorm.plugin import Comm
@@ -135,7 +135,7 @@ def _push_pair(problem: Any, slots: int, max_tokens: int, pdl: bool = True) -> l
     dtype = getattr(torch, problem.dtype)
     lay = plan_layout(world=2, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
                       max_tokens=max_tokens, max_bytes=1 << 40, oneshot_max=max_tokens,
-                      push_max=max_tokens)  # fmt: skip
+                      push_max=max_tokens if push else 0)  # fmt: skip
     wss = emulated(lay, dtype, "cuda")
     dev = torch.device("cuda", torch.cuda.current_device())
     settings = {"max_bytes": 1 << 40, "oneshot_max_tokens": max_tokens, "spin_limit": 1 << 27, "pdl": pdl}
@@ -393,7 +393,15 @@ def tp1(deadline: float) -> int:
 
     t_end = time.perf_counter() + deadline
     rows, data, eager = [], [], []
-    cols = ("triton", "symm W=1", "flags W=2", "push W=2", "push W=2 no PDL", "two-shot W=2")
+    cols = (
+        "triton",
+        "symm W=1",
+        "flags W=2",
+        "flags W=2 pair",
+        "push W=2",
+        "push W=2 no PDL",
+        "two-shot W=2",
+    )
     checks: list[str] = []
     for hidden in (4096, 8192):
         for quant, layout in ((None, None), ("fp8_static", None), ("nvfp4", "swizzled_128x4")):
@@ -406,8 +414,9 @@ def tp1(deadline: float) -> int:
                 "two-shot W=2": _local_backend(problem, _slots(2), 2, oneshot_max=0),
             }
             pairs = {
-                "push W=2": _push_pair(problem, _slots(2), 128),
-                "push W=2 no PDL": _push_pair(problem, _slots(2), 128, pdl=False),
+                "flags W=2 pair": _pair(problem, _slots(2), 128, push=False),
+                "push W=2": _pair(problem, _slots(2), 128),
+                "push W=2 no PDL": _pair(problem, _slots(2), 128, pdl=False),
             }
             for t in (1, 16, 128, 1024):
                 if time.perf_counter() > t_end:
@@ -446,8 +455,11 @@ def tp1(deadline: float) -> int:
         "preset far ahead, its buffer a local tensor): every flag release, poll and peer load a TP 2 "
         "call makes, without waiting for anyone. `push W=2`: ranks 0 and 1 of a world of 2 in this "
         "process on two streams, really pushing to and polling each other (T <= 128, the default "
-        "push range; `no PDL`: plain launches). That is the fixed cost of the protocol on one GPU: "
-        "no link latency. CUDA graph of 20 calls per rank, replayed; microseconds per call. "
+        "push range; `no PDL`: plain launches); `flags W=2 pair`: the same two ranks through the flag "
+        "protocol. That is the fixed cost of the protocol on one GPU: no link latency. At T 128 and "
+        "H 8192 the two ranks' kernels (128 programs of 16 warps each) do not fit on the GPU together, "
+        "so a rank's programs wait for the other's to be scheduled: those pair cells measure the "
+        "sharing, not the protocol. CUDA graph of 20 calls per rank, replayed; microseconds per call. "
         "triton_symm itself is never selected at TP 1. Target (issue 13): within 1.15x of triton at "
         "T <= 128 (the ratio column: push W=2 / triton).",
         "",
