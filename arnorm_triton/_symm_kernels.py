@@ -173,6 +173,17 @@ def _publishable(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _own_row(x_ptr, x_stride, row64, first, mine, offs, mask, DTYPE: tl.constexpr):
+    """This rank's row ``row64`` as it is pushed and summed (:func:`_publishable`): from registers
+    (``mine``) when it is the program's ``first`` row, else loaded from ``x``."""
+    if first:
+        x = mine
+    else:
+        x = tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0)
+    return _publishable(x, DTYPE)
+
+
+@triton.jit
 def _push_slot(base, push_off, k, src, row64, push_cap, HIDDEN: tl.constexpr, WORLD: tl.constexpr,
                DTYPE: tl.constexpr):  # fmt: skip
     """Row ``row64`` of slot ``(k, src)`` of the push region of the buffer at integer ``base``:
@@ -290,11 +301,7 @@ def symm_allreduce_norm_kernel(
         if STAGE == 0 or STAGE == 1:
             for row in range(b, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
-                if row == b:
-                    x = mine
-                else:
-                    x = tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0)
-                x = _publishable(x, DTYPE)
+                x = _own_row(x_ptr, x_stride, row64, row == b, mine, offs, mask, DTYPE)
                 for p in tl.static_range(WORLD):
                     peer = tl.load(peers_ptr + p)
                     dst = _push_slot(peer, push_off, k, rank, row64, push_cap, HIDDEN, WORLD, DTYPE)
@@ -302,11 +309,7 @@ def symm_allreduce_norm_kernel(
         if STAGE == 0 or STAGE == 2:
             for row in range(b, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
-                if row == b:
-                    x = mine
-                else:
-                    x = tl.load(x_ptr + row64 * x_stride + offs, mask=mask, other=0.0)
-                x = _publishable(x, DTYPE)
+                x = _own_row(x_ptr, x_stride, row64, row == b, mine, offs, mask, DTYPE)
                 s, missing = _push_pass(my_base, push_off, k, row64, push_cap, offs, mask, x, rank, HIDDEN,
                                         BLOCK, WORLD, DTYPE, SOFT, SYNC)  # fmt: skip
                 if SYNC:

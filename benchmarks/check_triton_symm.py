@@ -167,24 +167,7 @@ def _pair_graph_time(fns: list[Any], calls: int = 20, replays: int = 20) -> floa
         for s in streams:
             here.wait_stream(s)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        issue(3)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        issue(calls)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
+    return _captured_time(issue, calls, replays)
 
 
 def _slots(world: int) -> int:
@@ -344,18 +327,28 @@ def calibrate() -> int:
 
 def _graph_time(fn: Any, calls: int = 20, replays: int = 20) -> float:
     """Microseconds per call: ``calls`` calls captured in one CUDA graph, replayed."""
+
+    def issue(n: int) -> None:
+        for _ in range(n):
+            fn()
+
+    return _captured_time(issue, calls, replays)
+
+
+def _captured_time(issue: Any, calls: int, replays: int) -> float:
+    """Microseconds per call of ``issue(calls)`` captured in one CUDA graph (after a warm-up of
+    ``issue(3)`` on a side stream, as capture needs), replayed ``replays`` times."""
     import torch
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        issue(3)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+        issue(calls)
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -46,7 +46,7 @@ CELLS = {
         (4096, "nvfp4", False, 8192),
         (8192, "nvfp4", True, 8192),
     ],
-    "nvfp4": [(h, "nvfp4", normed, t) for h in (4096, 8192) for normed in (False, True) for t in (1, 128, 8192)],
+    "nvfp4": [(h, "nvfp4", n, t) for h in (4096, 8192) for n in (False, True) for t in (1, 128, 8192)],
     "smoke": [(64, "fp8_static", False, 3), (64, "nvfp4", True, 5)],
 }
 

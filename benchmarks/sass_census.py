@@ -61,7 +61,7 @@ def census(kernels: Any, hidden: int, quant: str, normed: bool, warps: int, arch
         f.flush()
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True)
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True)
-    lines = [ln for ln in sass.stdout.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    lines = [ln for ln in sass.stdout.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     regs = re.search(r"REG:(\d+)", res.stdout)
     return {
         "instructions": len(lines),
