@@ -89,6 +89,7 @@ def _local_backend(
     spin_limit: int = 1 << 27,
     ready_peers: bool = True,
     pdl: bool = True,
+    push_max: int = 0,
 ) -> Any:
     """A TritonSymmBackend over a plain (non-symmetric) workspace of ``world`` ranks in this process,
     as rank 0: world 1 makes no flag operation at all (a rank needs no flag for its own rows);
@@ -101,7 +102,8 @@ def _local_backend(
 
     dtype = getattr(torch, problem.dtype)
     lay = plan_layout(world=world, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
-                      max_tokens=problem.max_tokens, max_bytes=1 << 40, oneshot_max=oneshot_max)  # fmt: skip
+                      max_tokens=problem.max_tokens, max_bytes=1 << 40, oneshot_max=oneshot_max,
+                      push_max=push_max)  # fmt: skip
     # Every rank's buffer stays alive with the backend: rank 0 writes flags (and two-shot sums)
     # into its peers' buffers, and a freed one would be memory reused by other tensors.
     peers = emulated(lay, dtype, "cuda")
@@ -389,6 +391,7 @@ def tp1(deadline: float) -> int:
     cols = (
         "triton",
         "symm W=1",
+        "push W=1",
         "flags W=2",
         "flags W=2 pair",
         "push W=2",
@@ -403,6 +406,7 @@ def tp1(deadline: float) -> int:
             backends = {
                 "triton": tri,
                 "symm W=1": _local_backend(problem, _slots(1), 1, oneshot_max=1024),
+                "push W=1": _local_backend(problem, _slots(1), 1, oneshot_max=1024, push_max=128),
                 "flags W=2": _local_backend(problem, _slots(2), 2, oneshot_max=1024),
                 "two-shot W=2": _local_backend(problem, _slots(2), 2, oneshot_max=0),
             }
@@ -442,8 +446,10 @@ def tp1(deadline: float) -> int:
                 if t == 1 and hidden == 4096:
                     eager.append(_eager_row(quant, backends, x, res, w, scale))
     lines = [
-        "One process. `symm W=1`: world size 1, where the kernel makes no flag operation at all "
-        "(a rank needs no flag for its own rows): publish, sum, epilogue. `flags W=2`: one-shot "
+        "One process. `symm W=1`: world size 1 through the flag path, where the kernel makes no flag "
+        "operation at all (a rank needs no flag for its own rows): publish, sum, epilogue. `push W=1`: "
+        "world size 1 through the push path (T <= 128), which then pushes and polls nothing: the "
+        "kernel's cost without any protocol. `flags W=2`: one-shot "
         "through the flag protocol as rank 0 of a world of 2 whose peer is always ready (its flags "
         "preset far ahead, its buffer a local tensor): every flag release, poll and peer load a TP 2 "
         "call makes, without waiting for anyone. `push W=2`: ranks 0 and 1 of a world of 2 in this "
