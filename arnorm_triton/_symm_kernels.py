@@ -53,7 +53,11 @@ import triton.language as tl
 from arnorm_triton._casts import to_dtype_rne, to_fp32
 from arnorm_triton._kernels import norm_quant_epilogue, row_offsets, zero_padding_rows
 
-__all__ = ["DONE", "READY", "SUMS", "symm_allreduce_norm_kernel", "symm_wait_done_kernel"]
+__all__ = ["DONE", "PEER_ARGS", "READY", "SUMS", "symm_allreduce_norm_kernel", "symm_wait_done_kernel"]
+
+#: Scalar arguments ``peer0 .. peer7`` carry every rank's workspace address (0 past the world size),
+#: so a push store needs no load of the peer table first: the most ranks a kernel serves.
+PEER_ARGS = 8
 
 #: Flag kinds (the first axis of the flags region).
 READY = tl.constexpr(0)
@@ -173,6 +177,28 @@ def _publishable(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _peer_addr(p: tl.constexpr, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7):
+    """Rank ``p``'s workspace address from the scalar arguments (``p`` is a compile-time rank)."""
+    if p == 0:
+        a = peer0
+    elif p == 1:
+        a = peer1
+    elif p == 2:
+        a = peer2
+    elif p == 3:
+        a = peer3
+    elif p == 4:
+        a = peer4
+    elif p == 5:
+        a = peer5
+    elif p == 6:
+        a = peer6
+    else:
+        a = peer7
+    return a
+
+
+@triton.jit
 def _own_row(x_ptr, x_stride, row64, first, mine, offs, mask, DTYPE: tl.constexpr):
     """This rank's row ``row64`` as it is pushed and summed (:func:`_publishable`): from registers
     (``mine``) when it is the program's ``first`` row, else loaded from ``x``."""
@@ -233,6 +259,14 @@ def symm_allreduce_norm_kernel(
     epochs_ptr,  # int32 [2, SLOTS]: this rank's call counter per program, then its last flag call's
     err_ptr,  # int32 [1]: timeout bits
     my_base,  # this rank's workspace address (peers[rank]), so polls need no load first
+    peer0,  # peer0 .. peer7: every rank's workspace address (peers[r]; 0 past WORLD), as scalars
+    peer1,
+    peer2,
+    peer3,
+    peer4,
+    peer5,
+    peer6,
+    peer7,
     n_rows,  # T
     x_stride,
     res_stride,
@@ -298,12 +332,12 @@ def symm_allreduce_norm_kernel(
         # each rank polls its own slots until no element is the sentinel, sums, then puts the
         # sentinel back. No flag, no fence: the data says it has arrived (docs/triton-symm.md).
         k = (e & 1).to(tl.int64)
-        if STAGE == 0 or STAGE == 1:
+        if (STAGE == 0 or STAGE == 1) and WORLD > 1:
             for row in range(b, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
                 x = _own_row(x_ptr, x_stride, row64, row == b, mine, offs, mask, DTYPE)
                 for p in tl.static_range(WORLD):
-                    peer = tl.load(peers_ptr + p)
+                    peer = _peer_addr(p, peer0, peer1, peer2, peer3, peer4, peer5, peer6, peer7)
                     dst = _push_slot(peer, push_off, k, rank, row64, push_cap, HIDDEN, WORLD, DTYPE)
                     tl.store(dst + offs, x, mask=mask & (rank != p))
         if STAGE == 0 or STAGE == 2:
@@ -312,7 +346,7 @@ def symm_allreduce_norm_kernel(
                 x = _own_row(x_ptr, x_stride, row64, row == b, mine, offs, mask, DTYPE)
                 s, missing = _push_pass(my_base, push_off, k, row64, push_cap, offs, mask, x, rank, HIDDEN,
                                         BLOCK, WORLD, DTYPE, SOFT, SYNC)  # fmt: skip
-                if SYNC:
+                if SYNC and WORLD > 1:  # at world size 1 nothing is pushed: no look is needed
                     n = tl.full([], 0, tl.int32)
                     while (missing != 0) & (n < spin_limit):
                         s, missing = _push_pass(my_base, push_off, k, row64, push_cap, offs, mask, x, rank,
@@ -321,9 +355,10 @@ def symm_allreduce_norm_kernel(
                     if missing != 0:  # a peer never came: record it rather than hang
                         tl.atomic_or(err_ptr, tl.full([], 8, tl.int32), sem="relaxed", scope="gpu")
                 # Read: the slots take the sentinel again for the call after next (slot e % 2).
-                for p in tl.static_range(WORLD):
-                    dst = _push_slot(my_base, push_off, k, p, row64, push_cap, HIDDEN, WORLD, DTYPE)
-                    tl.store(dst + offs, _sentinel(offs, DTYPE), mask=mask & (rank != p))
+                if WORLD > 1:
+                    for p in tl.static_range(WORLD):
+                        dst = _push_slot(my_base, push_off, k, p, row64, push_cap, HIDDEN, WORLD, DTYPE)
+                        tl.store(dst + offs, _sentinel(offs, DTYPE), mask=mask & (rank != p))
                 norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
                                     q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
                                     SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip

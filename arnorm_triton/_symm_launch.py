@@ -91,6 +91,8 @@ class SymmLauncher:
         #: Every constexpr in signature order, ``STAGE=0`` included (the direct launch's tail).
         self._consts = tuple({**self.constexprs, "STAGE": 0}[n] for n in names[names.index("HIDDEN") :])
         self._div16 = lay.hidden % 16 == 0
+        # Every rank's address as a scalar argument (0 past the world size): see S.PEER_ARGS.
+        self._peer_args = (*workspace.addresses, *(0,) * (S.PEER_ARGS - len(workspace.addresses)))
         self._bound: Any = None  # Bound once bind() succeeded
         self._fixed: tuple[int, ...] = ()
         self._scalars: tuple[Any, ...] = ()
@@ -166,10 +168,10 @@ class SymmLauncher:
         launch = _launcher(S.symm_allreduce_norm_kernel, self.grid(n_rows), warmup)
         extra = {"launch_pdl": True} if self.constexprs["USE_PDL"] else {}
         return launch(
-            *ptrs, ws.peers, ws.epochs, ws.error, ws.base, n_rows, x_stride, res_stride, h_stride, self.eps,
-            self.weight_offset, ws.rank, lay.in_off, lay.sum_off, lay.push_off, max(lay.push_cap, 1),
-            self.spin_limit, int(push), int(two_shot), int(copy_in), int(end_wait), STAGE=stage,
-            num_warps=self.num_warps, **extra, **self.constexprs,
+            *ptrs, ws.peers, ws.epochs, ws.error, ws.base, *self._peer_args, n_rows, x_stride, res_stride,
+            h_stride, self.eps, self.weight_offset, ws.rank, lay.in_off, lay.sum_off, lay.push_off,
+            max(lay.push_cap, 1), self.spin_limit, int(push), int(two_shot), int(copy_in), int(end_wait),
+            STAGE=stage, num_warps=self.num_warps, **extra, **self.constexprs,
         )  # fmt: skip
 
     # -- the direct launch -------------------------------------------------------------------
@@ -208,6 +210,7 @@ class SymmLauncher:
                 int(ws.epochs.data_ptr()),
                 int(ws.error.data_ptr()),
                 ws.base,
+                *self._peer_args,
             )
             lay = ws.layout
             self._scalars = (self.eps, self.weight_offset, ws.rank, lay.in_off, lay.sum_off, lay.push_off,

@@ -161,6 +161,7 @@ class SymmWorkspace:
       the epoch of its last flag-protocol call (the one whose ``DONE`` a copy-in waits for).
     - ``error``: int32 ``[1]``, bits of the flag kinds whose wait gave up (local memory).
     - ``handle``: torch's symmetric-memory handle (``None`` when emulated); kept alive with the buffer.
+    - ``addresses``: ``peers`` on the host (the kernels take them as scalar arguments too).
     """
 
     layout: Layout
@@ -171,6 +172,8 @@ class SymmWorkspace:
     epochs: Any
     error: Any
     handle: Any = None
+    #: ``peers`` on the host: every rank's buffer address, in rank order.
+    addresses: tuple[int, ...] = ()
 
     def inputs(self, num_tokens: int) -> torch.Tensor:
         """``[T, H]`` view of this rank's inputs region (what ``input_buffer`` hands out)."""
@@ -206,6 +209,7 @@ def _new_local(
         epochs=torch.zeros(2 * layout.slots, dtype=torch.int32, device=dev),
         error=torch.zeros(1, dtype=torch.int32, device=dev),
         handle=handle,
+        addresses=tuple(int(a) for a in addresses),
     )
 
 
