@@ -52,20 +52,6 @@ def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _pdl_available(problem: Problem) -> bool:
-    """Programmatic dependent launch: CUDA SM 9.0+, compiled kernels, Triton with ``gdc_wait``."""
-    from arnorm_triton._kernels import INTERPRETED
-
-    if INTERPRETED or problem.platform != "cuda" or (problem.arch or (0, 0)) < (9, 0):
-        return False
-    try:
-        import triton.language as tl
-
-        return hasattr(tl.extra.cuda, "gdc_wait")
-    except Exception:
-        return False
-
-
 class TritonBackend:
     """The ``triton`` backend: any TP size, CUDA / ROCm (and CPU through the Triton interpreter).
 
@@ -174,7 +160,9 @@ class TritonBackend:
         :class:`arnorm_triton._plugin.TritonSettings`.
         """
         exact = bool(getattr(settings, "exact", False))
-        pdl = bool(getattr(settings, "pdl", True)) and _pdl_available(problem)
+        from arnorm_triton._direct import pdl_available
+
+        pdl = bool(getattr(settings, "pdl", True)) and pdl_available(problem)
         self = cls(problem, comm, exact, pdl)
         if self._device.type != "cpu":
             self.fast_launch = self._warm_up()

@@ -1,4 +1,5 @@
-"""The direct launch of a compiled Triton kernel, shared by ``triton`` and ``triton_symm``.
+"""The direct launch of a compiled Triton kernel, and whether PDL is available, shared by ``triton``
+and ``triton_symm``.
 
 ``kernel[grid](...)`` re-binds and re-specializes every argument in Python per call; a compiled
 variant's own launcher (``CompiledKernel.run``, a C function on a GPU) takes plain integer
@@ -12,11 +13,14 @@ empty ``HOOK_CHAIN`` (a test both launchers make inline, per launch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import triton
 
-__all__ = ["HOOK_CHAIN", "KNOWN_CALL_SOURCES", "RUNTIME", "Bound", "bound_launchers"]
+if TYPE_CHECKING:
+    from arnorm.plugin import Problem
+
+__all__ = ["HOOK_CHAIN", "KNOWN_CALL_SOURCES", "RUNTIME", "Bound", "bound_launchers", "pdl_available"]
 
 
 class Bound(NamedTuple):
@@ -70,3 +74,18 @@ RUNTIME: Any = getattr(_KNOBS, "runtime", None) or _NoKnobs()
 #: Since Triton 3.5 the hook is a ``HookChain`` that is never ``None``; an empty chain means no
 #: hook. Anything else that is not ``None`` (a function assigned as in Triton 3.4) is a hook.
 HOOK_CHAIN: Any = getattr(_KNOBS, "HookChain", None) or _NoKnobs
+
+
+def pdl_available(problem: Problem) -> bool:
+    """Whether both backends' kernels may use programmatic dependent launch: CUDA SM 9.0+, compiled
+    (not interpreted) kernels, and a Triton with ``gdc_wait``."""
+    from arnorm_triton._kernels import INTERPRETED
+
+    if INTERPRETED or problem.platform != "cuda" or (problem.arch or (0, 0)) < (9, 0):
+        return False
+    try:
+        import triton.language as tl
+
+        return hasattr(tl.extra.cuda, "gdc_wait")
+    except Exception:
+        return False

@@ -60,7 +60,7 @@ class TritonSymmBackend:
     ) -> None:
         import torch
 
-        from arnorm_triton._backend import _pdl_available
+        from arnorm_triton._direct import pdl_available
         from arnorm_triton._kernels import INTERPRETED
         from arnorm_triton._outputs import OutputPlan
         from arnorm_triton._symm_launch import SymmLauncher
@@ -101,7 +101,7 @@ class TritonSymmBackend:
             soft_fp8=_soft_fp8(problem) or INTERPRETED,
             sync=True,
             spin_limit=settings["spin_limit"],
-            pdl=bool(settings.get("pdl", 1)) and _pdl_available(problem),
+            pdl=bool(settings.get("pdl", 1)) and pdl_available(problem),
         )
 
     # -- selection --------------------------------------------------------------------------

@@ -111,3 +111,39 @@ def test_bind_launches_the_same_number_of_times_when_outputs_differ(recorded, mo
     assert not launcher.bind(tensors, 3, (H, H, H), two_shot=False)
     assert not launcher.fast
     assert len(recorded["ordinary"]) + len(recorded["direct"]) == 1 + L.BIND_TRIALS
+
+
+def test_pdl_launches_with_launch_pdl_and_never_in_emulation(recorded):
+    """pdl=True compiles USE_PDL in and launches with launch_pdl; the emulation (sync=False) never
+    does (its stages run rank by rank, with no preceding grid to wait for)."""
+    lay = plan_layout(world=2, slots=4, hidden=H, itemsize=2, max_tokens=8, max_bytes=1 << 20, oneshot_max=3,
+                      push_max=3)  # fmt: skip
+    ws = emulated(lay, torch.bfloat16)[0]
+    kw = {"quant": None, "layout": None, "write_normed": True, "eps": 1e-6, "weight_offset": 0.0,
+          "round_before_weight": False, "soft": True, "soft_fp8": True}  # fmt: skip
+    for sync, expect in ((True, True), (False, False)):
+        launcher = L.SymmLauncher(ws, sync=sync, pdl=True, **kw)
+        assert launcher.constexprs["USE_PDL"] is expect
+        launcher.launch(*_tensors(2), 2, H, H, H, push=True, two_shot=False, copy_in=True, end_wait=False)
+        _, args, kwargs = recorded["ordinary"].pop()
+        assert kwargs.get("launch_pdl", False) is expect
+        # Every rank's address rides along as a scalar argument (0 past the world size).
+        names = S.symm_allreduce_norm_kernel.arg_names
+        peers = args[names.index("peer0") : names.index("peer7") + 1]
+        assert peers == (*ws.addresses, *(0,) * (S.PEER_ARGS - 2))
+
+
+@pytest.mark.parametrize(("platform", "arch", "expect"), [("cuda", (9, 0), True), ("cuda", (8, 9), False),
+                                                          ("rocm", (9, 4), False)])  # fmt: skip
+def test_pdl_available_needs_cuda_sm90_compiled(monkeypatch, platform, arch, expect):
+    """PDL only on CUDA SM 9.0+ with compiled kernels (never in the interpreter)."""
+    import types
+
+    from arnorm_triton import _direct
+
+    monkeypatch.setattr(K, "INTERPRETED", False)
+    problem = types.SimpleNamespace(platform=platform, arch=arch)
+    assert _direct.pdl_available(problem) is (expect and hasattr(__import__("triton").language.extra.cuda,
+                                                                 "gdc_wait"))  # fmt: skip
+    monkeypatch.setattr(K, "INTERPRETED", True)
+    assert _direct.pdl_available(problem) is False
