@@ -4,10 +4,13 @@ reasons, the workspace budget, topology checks, and how a call picks its kernel 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from triton_cases import make_problem
 
 import arnorm
@@ -157,6 +160,40 @@ def test_layout_fits_the_budget(budget, max_tokens, push_max):
     assert (lay.capacity == 0) == (budget < one_token)
     if budget == 64 << 20 and max_tokens >= 128 and push_max:
         assert lay.push_cap == 128  # the default budget holds the default push slots at H 4096, TP 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    world=st.integers(2, 8),
+    hidden=st.integers(1, 1024).map(lambda k: 16 * k),
+    itemsize=st.sampled_from([2, 4]),
+    max_tokens=st.integers(1, 5000),
+    budget=st.integers(1 << 10, 1 << 27),
+    oneshot=st.integers(0, 512),
+    push=st.integers(0, 512),
+)
+def test_layout_regions_never_overlap(world, hidden, itemsize, max_tokens, budget, oneshot, push):
+    """For any shape and budget: flags, inputs, sums and push slots are disjoint, 256-byte aligned and
+    inside the buffer, the buffer fits the budget whenever a token fits, and push serves no token
+    count the op does not (push_cap <= capacity, oneshot, push_max_tokens)."""
+    slots = max(world, 132 // world * world)
+    lay = plan_layout(world=world, slots=slots, hidden=hidden, itemsize=itemsize, max_tokens=max_tokens,
+                      max_bytes=budget, oneshot_max=oneshot, push_max=push)  # fmt: skip
+    row = hidden * itemsize
+    regions = [(0, lay.flags_bytes)]
+    if lay.capacity:
+        regions.append((lay.in_off, lay.in_off + lay.capacity * row))
+        if lay.two_shot:
+            regions.append((lay.sum_off, lay.sum_off + lay.capacity * row))
+        assert lay.total_bytes <= budget
+    if lay.push_cap:
+        regions.append((lay.push_off, lay.push_off + 2 * world * lay.push_cap * row))
+    for start, end in regions:
+        assert start % ALIGN == 0 and 0 <= start <= end <= lay.total_bytes
+    ordered = sorted(regions)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))
+    assert lay.push_cap <= min(lay.capacity, oneshot, push, max_tokens)
+    assert lay.two_shot == (lay.capacity > oneshot)
 
 
 def _fake_comm(world: int = 2, rank: int = 0, gathered=None):
