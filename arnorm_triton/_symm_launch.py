@@ -170,7 +170,7 @@ class SymmLauncher:
         return launch(
             *ptrs, ws.peers, ws.epochs, ws.error, ws.base, *self._peer_args, n_rows, x_stride, res_stride,
             h_stride, self.eps, self.weight_offset, ws.rank, lay.in_off, lay.sum_off, lay.push_off,
-            max(lay.push_cap, 1), self.spin_limit, int(push), int(two_shot), int(copy_in), int(end_wait),
+            lay.push_cap, self.spin_limit, int(push), int(two_shot), int(copy_in), int(end_wait),
             STAGE=stage, num_warps=self.num_warps, **extra, **self.constexprs,
         )  # fmt: skip
 
@@ -214,7 +214,7 @@ class SymmLauncher:
             )
             lay = ws.layout
             self._scalars = (self.eps, self.weight_offset, ws.rank, lay.in_off, lay.sum_off, lay.push_off,
-                             max(lay.push_cap, 1), self.spin_limit)  # fmt: skip
+                             lay.push_cap, self.spin_limit)  # fmt: skip
             candidates = bound_launchers(compiled)
         except Exception as exc:  # Triton API drift: ordinary launches only, never a failed setup
             _log.warning("triton_symm: direct launch unavailable (%s: %s)", type(exc).__name__, exc)
