@@ -56,7 +56,9 @@ __all__ = [
     "INTERPRETED",
     "PAD_ROWS_PER_PROGRAM",
     "QUANT_CODES",
+    "epilogue_operands",
     "fused_add_rmsnorm_quant_kernel",
+    "norm_quant_apply",
     "norm_quant_epilogue",
     "padding_programs",
     "row_offsets",
@@ -185,6 +187,28 @@ def zero_padding_rows(sf_ptr, pad_program, n_rows, HIDDEN: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def epilogue_operands(row, res_ptr, res_stride, w_ptr, scale_ptr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                      GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr = True):  # fmt: skip
+    """``(res, w, scale)``: the loads of :func:`norm_quant_epilogue` for row ``row`` (the residual
+    row and the weight as stored, in :func:`row_offsets` order; the fp32 scale, or 1.0 for the
+    formats without one). A kernel that must wait before it has the row's sum (``triton_symm``)
+    issues them before the wait, so they leave its critical path; :func:`norm_quant_apply` takes
+    them. With ``HAS_RESIDUAL=False`` ``res`` is zeros and ``res_ptr`` is never read."""
+    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row.to(tl.int64) * res_stride + offs, mask=mask, other=0.0)
+    else:
+        res = tl.zeros(offs.shape, w_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if QUANT == 1 or QUANT == 3:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = tl.full([], 1.0, tl.float32)
+    return res, w, scale
+
+
+@triton.jit
 def norm_quant_epilogue(
     s, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
@@ -223,8 +247,26 @@ def norm_quant_epilogue(
     Writes exactly: ``h`` row ``t``; ``y`` row ``t`` (WRITE_NORMED); codes row ``t`` and this row's
     scales (QUANT > 0). Reads ``res``, ``w``, ``scale`` and nothing else; no barrier beyond the
     row reductions, so it may run for several rows per program. Callers using programmatic
-    dependent launch must have waited (``gdc_wait``) before calling it.
+    dependent launch must have waited (``gdc_wait``) before calling it. It is
+    :func:`epilogue_operands` then :func:`norm_quant_apply`.
     """
+    # Every load first: the weight and the scale leave the critical path of the reductions.
+    res, w, scale = epilogue_operands(row, res_ptr, res_stride, w_ptr, scale_ptr, HIDDEN, BLOCK, GROUP, VEC,
+                                      QUANT, HAS_RESIDUAL)  # fmt: skip
+    norm_quant_apply(s, res, w, scale, row, h_ptr, h_stride, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN,
+                     BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
+                     HAS_RESIDUAL)  # fmt: skip
+
+
+@triton.jit
+def norm_quant_apply(
+    s, res, w, scale, row, h_ptr, h_stride, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
+    WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, SOFT: tl.constexpr, SOFT_FP8: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr = True,
+):  # fmt: skip
+    """:func:`norm_quant_epilogue` with its loads already made (``res, w, scale`` as
+    :func:`epilogue_operands` returns them): steps 2-4, every store."""
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     NB: tl.constexpr = BLOCK // GROUP
     blk = tl.arange(0, NB)
@@ -232,15 +274,7 @@ def norm_quant_epilogue(
     SAX: tl.constexpr = 0 if WHOLE else 1  # the axis of a block's 16-byte slices
     offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, WHOLE)
     row64 = row.to(tl.int64)
-
-    # Every load first: the weight and the scale leave the critical path of the reductions.
-    if HAS_RESIDUAL:
-        res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
-    w = to_fp32(tl.load(w_ptr + offs, mask=mask, other=0.0), SOFT) + weight_offset
-    if QUANT == 1 or QUANT == 3:
-        scale = tl.load(scale_ptr)
-    else:
-        scale = 1.0
+    w = to_fp32(w, SOFT) + weight_offset
 
     # Step 2: h = D(s + res), rounded before the statistic (the contract's order).
     if HAS_RESIDUAL:

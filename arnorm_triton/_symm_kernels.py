@@ -51,7 +51,13 @@ import triton
 import triton.language as tl
 
 from arnorm_triton._casts import to_dtype_rne, to_fp32
-from arnorm_triton._kernels import norm_quant_epilogue, row_offsets, zero_padding_rows
+from arnorm_triton._kernels import (
+    epilogue_operands,
+    norm_quant_apply,
+    norm_quant_epilogue,
+    row_offsets,
+    zero_padding_rows,
+)
 
 __all__ = ["DONE", "PEER_ARGS", "READY", "SUMS", "symm_allreduce_norm_kernel", "symm_wait_done_kernel"]
 
@@ -210,6 +216,30 @@ def _own_row(x_ptr, x_stride, row64, first, mine, offs, mask, DTYPE: tl.constexp
 
 
 @triton.jit
+def _epilogue(s, row64, first, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr,
+              y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+              GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
+              WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, SOFT: tl.constexpr,
+              SOFT_FP8: tl.constexpr, PRELOAD: tl.constexpr):  # fmt: skip
+    """``triton``'s epilogue for row ``row64`` from its sum ``s``. With ``PRELOAD`` its operands were
+    loaded at the kernel's start (:func:`~arnorm_triton._kernels.epilogue_operands`: ``w0``,
+    ``scale0``, and ``res0`` when this is the program's ``first`` row); else they are loaded now."""
+    if PRELOAD:
+        if first:
+            res = res0
+        else:
+            offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
+            res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
+        norm_quant_apply(s, res, w0, scale0, row64, h_ptr, h_stride, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
+                         HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
+                         SOFT_FP8)  # fmt: skip
+    else:
+        norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr,
+                            sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
+                            WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+
+
+@triton.jit
 def _push_slot(base, push_off, k, src, row64, push_cap, HIDDEN: tl.constexpr, WORLD: tl.constexpr,
                DTYPE: tl.constexpr):  # fmt: skip
     """Row ``row64`` of slot ``(k, src)`` of the push region of the buffer at integer ``base``:
@@ -326,6 +356,18 @@ def symm_allreduce_norm_kernel(
     # This rank's first row, loaded before any wait (it is this rank's own data either way): it
     # is published from registers and summed from registers.
     mine = tl.load(x_ptr + b64 * x_stride + offs, mask=mask, other=0.0)
+    # At world size 2 and rows of up to 4096 lanes (8 warps), so are the epilogue's loads of that
+    # row (residual, weight, scale): made now, they overlap the publish and the wait instead of
+    # following them (the weight and scale serve every row). Measured on the H200 (kernel-variants
+    # run 8): 2-8% faster at H 4096, T <= 128; 4-5% slower at H 8192 (16 warps, where ptxas is near
+    # its 128-register cap), and slower at world size 1, where there is no wait to hide them in. At
+    # larger world sizes a poll holds every peer's row and the held operands make ptxas spill.
+    PRELOAD: tl.constexpr = WORLD == 2 and BLOCK <= 4096
+    if PRELOAD:
+        res0, w0, scale0 = epilogue_operands(b64, res_ptr, res_stride, w_ptr, scale_ptr, HIDDEN, BLOCK, GROUP,
+                                             VEC, QUANT)  # fmt: skip
+    else:  # unused
+        res0, w0, scale0 = mine, mine, 1.0
 
     if push != 0:
         # One-shot by push: rank r stores its rows into slot (e % 2, r) of every peer's push region;
@@ -359,15 +401,16 @@ def symm_allreduce_norm_kernel(
                     for p in tl.static_range(WORLD):
                         dst = _push_slot(my_base, push_off, k, p, row64, push_cap, HIDDEN, WORLD, DTYPE)
                         tl.store(dst + offs, _sentinel(offs, DTYPE), mask=mask & (rank != p))
-                norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
-                                    q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
-                                    SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+                _epilogue(s, row64, row == b, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_stride, w_ptr,
+                          scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC,
+                          QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
+                          PRELOAD)  # fmt: skip
     else:
         _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, peers_ptr, epochs_ptr,
-                   err_ptr, my_base, n_rows, x_stride, res_stride, h_stride, eps, weight_offset, rank,
-                   in_off, sum_off, spin_limit, two_shot, copy_in, end_wait, b, b64, e, mine, offs, mask,
-                   HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
-                   SOFT_FP8, WORLD, SLOTS, SYNC, STAGE)  # fmt: skip
+                   err_ptr, my_base, n_rows, x_stride, res_stride, h_stride, eps, weight_offset, rank, in_off,
+                   sum_off, spin_limit, two_shot, copy_in, end_wait, b, b64, e, mine, res0, w0, scale0, offs,
+                   mask, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
+                   SOFT_FP8, WORLD, SLOTS, SYNC, STAGE, PRELOAD)  # fmt: skip
 
     # Last part: count the call.
     if STAGE == 0 or STAGE == 3:
@@ -381,14 +424,16 @@ def symm_allreduce_norm_kernel(
 @triton.jit
 def _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, peers_ptr, epochs_ptr, err_ptr,
                my_base, n_rows, x_stride, res_stride, h_stride, eps, weight_offset, rank, in_off, sum_off,
-               spin_limit, two_shot, copy_in, end_wait, b, b64, e, mine, offs, mask, HIDDEN: tl.constexpr,
-               BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
-               SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
-               SOFT: tl.constexpr, SOFT_FP8: tl.constexpr, WORLD: tl.constexpr, SLOTS: tl.constexpr,
-               SYNC: tl.constexpr, STAGE: tl.constexpr):  # fmt: skip
+               spin_limit, two_shot, copy_in, end_wait, b, b64, e, mine, res0, w0, scale0, offs, mask,
+               HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr,
+               QUANT: tl.constexpr, SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr,
+               ROUND_BEFORE_WEIGHT: tl.constexpr, SOFT: tl.constexpr, SOFT_FP8: tl.constexpr,
+               WORLD: tl.constexpr, SLOTS: tl.constexpr, SYNC: tl.constexpr, STAGE: tl.constexpr,
+               PRELOAD: tl.constexpr):  # fmt: skip
     """One call of program ``b`` through the flag protocol (one-shot or two-shot; the module's
-    docstring). ``DONE`` is signalled by flag calls only, so the copy-in waits for the peers' ``DONE``
-    of this rank's last flag call (``epochs[SLOTS + b]``), not of the previous call."""
+    docstring); ``res0, w0, scale0``: the epilogue's operands of row ``b`` when ``PRELOAD``.
+    ``DONE`` is signalled by flag calls only, so the copy-in waits for the peers' ``DONE`` of this
+    rank's last flag call (``epochs[SLOTS + b]``), not of the previous call."""
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     # Part 1: publish this rank's rows, then wait for every rank's.
     if STAGE == 0 or STAGE == 1:
@@ -415,16 +460,17 @@ def _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, pe
                 if n_rows <= SLOTS:
                     # This program's only row is read: release the peers' rows before the epilogue.
                     _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
-            norm_quant_epilogue(s, b64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
-                                q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
-                                SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+            _epilogue(s, b64, True, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr,
+                      y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
+                      WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, PRELOAD)  # fmt: skip
             for row in range(b + SLOTS, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
                 s = _rank_order_sum(peers_ptr, in_off, row64, offs, mask, mine, False, rank, HIDDEN, WORLD,
                                     DTYPE, SOFT)  # fmt: skip
-                norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr,
-                                    q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT,
-                                    SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8)  # fmt: skip
+                _epilogue(s, row64, False, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_stride, w_ptr,
+                          scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC,
+                          QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
+                          PRELOAD)  # fmt: skip
         if (STAGE == 0 or STAGE == 3) and SYNC:  # noqa: SIM102
             if n_rows > SLOTS:  # several rows per program: all of them are read now
                 _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
@@ -450,10 +496,10 @@ def _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, pe
                 owner = (b + row // SLOTS) % WORLD
                 v = tl.load(_region(peers_ptr, owner, sum_off, DTYPE) + row64 * HIDDEN + offs, mask=mask,
                             other=0.0)  # fmt: skip
-                norm_quant_epilogue(to_fp32(v, SOFT), row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr,
-                                    scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK,
-                                    GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
-                                    SOFT_FP8)  # fmt: skip
+                _epilogue(to_fp32(v, SOFT), row64, row == b, res0, w0, scale0, res_ptr, res_stride, h_ptr,
+                          h_stride, w_ptr, scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK,
+                          GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
+                          PRELOAD)  # fmt: skip
             if SYNC:
                 _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
 
