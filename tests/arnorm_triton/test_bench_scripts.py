@@ -138,3 +138,49 @@ def test_sass_census_counts_a_compiled_configuration():
     (row,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 1024 |")]
     instructions, bars, _, registers = (int(x) for x in row.strip("| ").split(" | ")[4:])
     assert instructions > 100 and bars >= 1 and 0 < registers <= 255
+
+
+def test_sass_census_counts_the_symm_kernel():
+    """sass_census.py --symm compiles triton_symm's kernel at a world size and reports its warps,
+    instructions, barriers, registers and stack bytes (the flag waits need barriers)."""
+    import triton
+
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tools.exists():
+        pytest.skip(f"cuobjdump: not in this Triton ({tools})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "sass_census.py"), "--symm", "2", "--hidden", "1024",
+           "--quant", "none"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 2 | 1024 |")]
+    warps, instructions, bars, _, registers, stack = (int(x) for x in row.strip("| ").split(" | ")[3:])
+    assert warps == 4 and instructions > 100 and bars >= 2 and 0 < registers <= 255 and stack >= 0
+
+
+def test_lab_symm_variants_overlay_and_table(tmp_path):
+    """lab_symm_variants.py runs a variant over a copy of arnorm_triton with the variant's kernel
+    file in place (and its epilogue file when given), and tabulates the best time per cell."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import lab_symm_variants as lab
+    finally:
+        sys.path.pop(0)
+    variant = tmp_path / "v.py"
+    variant.write_text("# variant\n")
+    kernels = tmp_path / "k.py"
+    kernels.write_text("# epilogue\n")
+    path = lab.overlay(str(tmp_path / "o"), str(variant), str(kernels))
+    pkg = pathlib.Path(path) / "arnorm_triton"
+    assert (pkg / "_symm_kernels.py").read_text() == "# variant\n"
+    assert (pkg / "_kernels.py").read_text() == "# epilogue\n"
+    assert (pkg / "_symm_backend.py").read_text() == (REPO / "arnorm_triton" / "_symm_backend.py").read_text()
+    rows = [
+        {"variant": v, "hidden": 4096, "quant": "none", "tokens": 1, **dict.fromkeys(lab.COLUMNS, us)}
+        for v, us in (("a", 2.0), ("a", 1.5), ("b", 3.0))
+    ]
+    rows[0]["self check"] = "push self: residual bitwise True"
+    text = lab.table(rows, ["a", "b"])
+    assert "| 4096 | none | 1 | 1.50 | 3.00 |" in text
+    assert "| 8192 | fp8_static | 1 | - | - |" in text
+    assert "- a: push self: residual bitwise True" in text
