@@ -359,7 +359,7 @@ def symm_allreduce_norm_kernel(
     # At world size 2 and rows of up to 4096 lanes (8 warps), so are the epilogue's loads of that
     # row (residual, weight, scale): made now, they overlap the publish and the wait instead of
     # following them (the weight and scale serve every row). Measured on the H200 (kernel-variants
-    # run 8): 2-8% faster at H 4096, T <= 128; 4-5% slower at H 8192 (16 warps, where ptxas is near
+    # runs 7-9): 3-8% faster at H 4096, T <= 128; 4-5% slower at H 8192 (16 warps, where ptxas is near
     # its 128-register cap), and slower at world size 1, where there is no wait to hide them in. At
     # larger world sizes a poll holds every peer's row and the held operands make ptxas spill.
     PRELOAD: tl.constexpr = WORLD == 2 and BLOCK <= 4096
