@@ -150,12 +150,13 @@ def _pair(problem: Any, slots: int, max_tokens: int, pdl: bool = True, push: boo
     return pair
 
 
-def _self_push(problem: Any, slots: int, pdl: bool = True, device: Any = None) -> Any:
-    """Rank 0 of a world of 2 whose peer is itself: its ``peer1`` address is shifted by one push slot,
-    so the row it pushes to "rank 1" lands in its own slot ``(k, 1)``, which it then polls, sums and
-    puts the sentinel back into. Every instruction of a TP 2 push call runs (the WORLD=2 kernel:
-    push store, poll, rank-order sum, sentinel, epilogue) with a peer that arrives exactly when this
-    rank does: the fixed cost of publishing and synchronizing, without a second kernel or a link."""
+def _self_push(problem: Any, slots: int, pdl: bool = True, device: Any = None, world: int = 2) -> Any:
+    """Rank 0 of a world of ``world`` whose peers are all itself: its ``peer<p>`` address is shifted
+    by ``p`` push slots, so the row it pushes to "rank p" lands in its own slot ``(k, p)``, which it
+    then polls, sums and puts the sentinel back into. Every instruction of a TP ``world`` push call
+    runs (the WORLD-rank kernel: push stores, poll, rank-order sum, sentinel, epilogue) with peers
+    that arrive exactly when this rank does: the fixed cost of publishing and synchronizing, without
+    other kernels or links. Its sums are ``world * x`` in rank order."""
     import torch
 
     from arnorm.plugin import Comm
@@ -163,13 +164,14 @@ def _self_push(problem: Any, slots: int, pdl: bool = True, device: Any = None) -
     from arnorm_triton._symm_workspace import emulated, plan_layout
 
     dtype = getattr(torch, problem.dtype)
-    lay = plan_layout(world=2, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
+    lay = plan_layout(world=world, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
                       max_tokens=128, max_bytes=1 << 40, oneshot_max=128, push_max=128)  # fmt: skip
     dev = device or torch.device("cuda", torch.cuda.current_device())
     ws = emulated(lay, dtype, dev)[0]
-    # Slot (k, src) of a buffer starts at push_off + ((k * 2 + src) * push_cap) rows: slot (k, 0)
-    # of a buffer one slot further on is slot (k, 1) of this one.
-    ws = dataclasses.replace(ws, addresses=(ws.base, ws.base + lay.push_cap * lay.row_bytes))
+    # Slot (k, src) of a buffer starts at push_off + ((k * world + src) * push_cap) rows: slot (k, 0)
+    # of a buffer p slots further on is slot (k, p) of this one.
+    shift = lay.push_cap * lay.row_bytes
+    ws = dataclasses.replace(ws, addresses=tuple(ws.base + p * shift for p in range(world)))
     settings = {"max_bytes": 1 << 40, "oneshot_max_tokens": 128, "spin_limit": 1 << 27, "pdl": pdl}
     return TritonSymmBackend(dataclasses.replace(problem, max_tokens=128), Comm(None, dev), ws, settings)
 
@@ -417,6 +419,8 @@ def tp1(deadline: float) -> int:
         "symm W=1",
         "push W=1",
         "push self",
+        "push self W=4",
+        "push self W=8",
         "flags W=2",
         "flags W=2 pair",
         "push W=2",
@@ -433,6 +437,8 @@ def tp1(deadline: float) -> int:
                 "symm W=1": _local_backend(problem, _slots(1), 1, oneshot_max=1024),
                 "push W=1": _local_backend(problem, _slots(1), 1, oneshot_max=1024, push_max=128),
                 "push self": _self_push(problem, _slots(2)),
+                "push self W=4": _self_push(problem, _slots(4), world=4),
+                "push self W=8": _self_push(problem, _slots(8), world=8),
                 "flags W=2": _local_backend(problem, _slots(2), 2, oneshot_max=1024),
                 "two-shot W=2": _local_backend(problem, _slots(2), 2, oneshot_max=0),
             }
@@ -450,15 +456,15 @@ def tp1(deadline: float) -> int:
                 scale = torch.tensor([0.05], device="cuda") if quant else None
                 times = {}
                 for name, b in backends.items():
-                    if name == "push self" and t > 128:
+                    if name.startswith("push self") and t > 128:
                         times[name] = float("nan")
                         continue
                     xs = x.clone()
                     times[name] = _graph_time(functools.partial(b, xs, res, w, scale))
                     if name != "triton":
                         b.check()
-                    if name == "push self" and t == 16:
-                        checks.append(_self_check(b, x, res, w, scale, problem))
+                    if name.startswith("push self") and t == 16:
+                        checks.append(_self_check(b, x, res, w, scale, problem, name))
                 for name, pair in pairs.items():
                     if t > 128:
                         times[name] = float("nan")
@@ -484,7 +490,8 @@ def tp1(deadline: float) -> int:
         "peer address is its own buffer shifted by one slot, so what it pushes to rank 1 lands in "
         "its own slot of rank 1, which it polls, sums and resets: every instruction of a TP 2 push "
         "call, with a peer that arrives exactly when it does (its sums are x + x: checked below). "
-        "That is the fixed cost of publishing and synchronizing at TP 1, what the target measures. "
+        "That is the fixed cost of publishing and synchronizing at TP 1, what the target measures; "
+        "`push self W=4` and `W=8`: the same for the TP 4 and TP 8 kernels (every peer is itself). "
         "`flags W=2`: one-shot "
         "through the flag protocol as rank 0 of a world of 2 whose peer is always ready (its flags "
         "preset far ahead, its buffer a local tensor): every flag release, poll and peer load a TP 2 "
@@ -520,18 +527,19 @@ def tp1(deadline: float) -> int:
     return 0
 
 
-def _self_check(b: Any, x: Any, res: Any, w: Any, scale: Any, problem: Any) -> str:
-    """One `push self` call against the reference of a world whose two partials are both ``x``."""
+def _self_check(b: Any, x: Any, res: Any, w: Any, scale: Any, problem: Any, name: str) -> str:
+    """One call of a `push self` backend against the reference of a world whose partials are all ``x``."""
     import torch
 
     from arnorm.plugin import add_rmsnorm, rank_order_sum
 
+    world = b._ws.layout.world
     got = b(x.clone(), res, w, scale)
     torch.cuda.synchronize()
     b.check()
-    want, _ = add_rmsnorm(rank_order_sum([x, x]), res, w, problem.eps, problem.weight_offset)
+    want, _ = add_rmsnorm(rank_order_sum([x] * world), res, w, problem.eps, problem.weight_offset)
     same = torch.equal(got.residual, want)
-    return f"H {problem.hidden_size} {problem.quant or 'none'} push self: residual bitwise {same}"
+    return f"H {problem.hidden_size} {problem.quant or 'none'} {name}: residual bitwise {same}"
 
 
 def _push_pair_check(pair: list[Any], x: Any, res: Any, w: Any, scale: Any, problem: Any) -> str:

@@ -9,11 +9,13 @@ in place, first on ``PYTHONPATH``. Children run variant after variant, then back
 (``--rounds`` passes, alternating), so drift of the lent host falls on every variant alike; each
 cell is the best of the passes, each pass the best of 3 CUDA-graph timings (check_triton_symm's
 ``_graph_time`` / ``_pair_graph_time``). Columns: ``triton`` (the reference kernel), ``push W=1``
-(no protocol), ``push self`` (rank 0 whose peer is itself: every instruction of a TP 2 push call),
-``pair`` (ranks 0 and 1 on two streams); cells H 4096 none and H 8192 fp8_static at T 1, 16, 128.
-Each child checks its ``push self`` result at T 16 bit for bit against the reference.
+(no protocol), ``push self`` (rank 0 whose peer is itself: every instruction of a TP 2 push call;
+``push self W=n`` for each further ``--worlds`` size, every peer itself), ``pair`` (ranks 0 and 1 on
+two streams); cells H 4096 none and H 8192 fp8_static at T 1, 16, 128. Each child checks its ``push
+self`` results at T 16 bit for bit against the reference.
 
     python3 benchmarks/lab_symm_variants.py head=old.py new=arnorm_triton/_symm_kernels.py [--rounds 2]
+        [--worlds 2,8]
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CELLS = ((4096, None), (8192, "fp8_static"))
 TOKENS = (1, 16, 128)
-COLUMNS = ("triton", "push W=1", "push self", "pair")
+BASE_COLUMNS = ("triton", "push W=1", "push self", "pair")
+
+
+def columns(worlds: tuple[int, ...]) -> tuple[str, ...]:
+    """The table's columns: ``push self`` is world size 2; other sizes get a column each."""
+    return BASE_COLUMNS + tuple(f"push self W={w}" for w in worlds if w != 2)
 
 
 def overlay(directory: str, symm_path: str, kernels_path: str | None) -> str:
@@ -46,7 +53,7 @@ def overlay(directory: str, symm_path: str, kernels_path: str | None) -> str:
     return directory
 
 
-def child(name: str) -> list[dict[str, Any]]:
+def child(name: str, worlds: tuple[int, ...] = (2,)) -> list[dict[str, Any]]:
     """Time every cell with the ``arnorm_triton`` importable now (the variant's overlay)."""
     import torch
 
@@ -68,6 +75,7 @@ def child(name: str) -> list[dict[str, Any]]:
             "triton": TritonBackend.create(problem, Comm(None, torch.device("cuda", 0)), TritonSettings()),
             "push W=1": C._local_backend(problem, C._slots(1), 1, oneshot_max=1024, push_max=128),
             "push self": C._self_push(problem, C._slots(2)),
+            **{f"push self W={w}": C._self_push(problem, C._slots(w), world=w) for w in worlds if w != 2},
         }
         pair = C._pair(problem, C._slots(2), 128)
         for t in TOKENS:
@@ -88,15 +96,19 @@ def child(name: str) -> list[dict[str, Any]]:
             for b in pair:
                 b.check()
             if t == 16:
-                row["self check"] = C._self_check(backends["push self"], x, res, w, scale, problem)
+                row["self check"] = "; ".join(
+                    C._self_check(b, x, res, w, scale, problem, col)
+                    for col, b in backends.items()
+                    if col.startswith("push self")
+                )
             rows.append(row)
     return rows
 
 
-def table(rows: list[dict[str, Any]], names: list[str]) -> str:
+def table(rows: list[dict[str, Any]], names: list[str], worlds: tuple[int, ...] = (2,)) -> str:
     """One markdown table per column: a row per cell, a column per variant (best over passes)."""
     out = []
-    for col in COLUMNS:
+    for col in columns(worlds):
         out += [f"### {col} (us per call)", "", "| H | format | T | " + " | ".join(names) + " |",
                 "|---:|---|---:|" + "---:|" * len(names)]  # fmt: skip
         for hidden, quant in CELLS:
@@ -116,10 +128,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("variants", nargs="*", help="NAME=PATH[:KERNELS_PATH] of a copy of _symm_kernels.py")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--worlds", default="2", help="comma-separated world sizes of the push self columns")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    worlds = tuple(int(w) for w in args.worlds.split(","))
     if args.child:
-        print("JSON " + json.dumps(child(args.child)), flush=True)
+        print("JSON " + json.dumps(child(args.child, worlds)), flush=True)
         return
     specs = []
     for v in args.variants:
@@ -134,7 +148,7 @@ def main() -> None:
             for name in order if r % 2 == 0 else order[::-1]:
                 path = os.pathsep.join([paths[name], os.environ.get("PYTHONPATH", "")])
                 env = dict(os.environ, PYTHONPATH=path, ARNORM_LAB_OVERLAY=paths[name])
-                cmd = [sys.executable, __file__, "--child", name]
+                cmd = [sys.executable, __file__, "--child", name, "--worlds", args.worlds]
                 run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
                 got = [ln for ln in run.stdout.splitlines() if ln.startswith("JSON ")]
                 if run.returncode or not got:
@@ -142,7 +156,7 @@ def main() -> None:
                     continue
                 rows += json.loads(got[-1][5:])
                 print(f"round {r} {name} done", file=sys.stderr, flush=True)
-    print(table(rows, [n for n, _, _ in specs]))
+    print(table(rows, [n for n, _, _ in specs], worlds))
 
 
 if __name__ == "__main__":

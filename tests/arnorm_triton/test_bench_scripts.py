@@ -176,11 +176,12 @@ def test_lab_symm_variants_overlay_and_table(tmp_path):
     assert (pkg / "_kernels.py").read_text() == "# epilogue\n"
     assert (pkg / "_symm_backend.py").read_text() == (REPO / "arnorm_triton" / "_symm_backend.py").read_text()
     rows = [
-        {"variant": v, "hidden": 4096, "quant": "none", "tokens": 1, **dict.fromkeys(lab.COLUMNS, us)}
+        {"variant": v, "hidden": 4096, "quant": "none", "tokens": 1, **dict.fromkeys(lab.columns((2, 8)), us)}
         for v, us in (("a", 2.0), ("a", 1.5), ("b", 3.0))
     ]
     rows[0]["self check"] = "push self: residual bitwise True"
-    text = lab.table(rows, ["a", "b"])
+    text = lab.table(rows, ["a", "b"], (2, 8))
     assert "| 4096 | none | 1 | 1.50 | 3.00 |" in text
     assert "| 8192 | fp8_static | 1 | - | - |" in text
     assert "- a: push self: residual bitwise True" in text
+    assert "### push self W=8 (us per call)" in text

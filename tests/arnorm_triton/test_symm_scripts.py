@@ -64,11 +64,11 @@ def test_precompile_covers_the_gpu_tests_and_the_conformance_cases():
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run")
-@pytest.mark.parametrize("quant", [None, "fp8_static", "nvfp4"])
-def test_self_push_runs_the_protocol(quant):
-    """The benchmark's `push self` backend (rank 0 of two whose peer is itself) pushes into its own
-    slot of rank 1, finds it there and sums it: its result is the reference of partials [x, x], and
-    its slots hold the sentinel again after each call."""
+@pytest.mark.parametrize(("quant", "world"), [(None, 2), ("fp8_static", 2), ("nvfp4", 2), ("fp8_static", 4)])
+def test_self_push_runs_the_protocol(quant, world):
+    """The benchmark's `push self` backend (rank 0 of a world whose peers are all itself) pushes into
+    its own slots of the other ranks, finds the rows there and sums them: its result is the
+    reference of partials [x] * world, and its slots hold the sentinel again after each call."""
     from triton_cases import check_output, make_problem, make_scale
 
     from arnorm.plugin import add_rmsnorm, rank_order_sum
@@ -80,14 +80,15 @@ def test_self_push_runs_the_protocol(quant):
         sys.path.pop(0)
     h = 64
     problem = make_problem(h, torch.bfloat16, quant, world_size=1, max_tokens=8)
-    backend = check_triton_symm._self_push(problem, slots=2, pdl=False, device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    backend = check_triton_symm._self_push(problem, slots=world, pdl=False, device=cpu, world=world)
     ws = backend._ws
     for call, t in enumerate((1, 3, 2, 5)):  # both slot parities, and programs with several rows
         g = torch.Generator().manual_seed(call)
         x = torch.randn(t, h, generator=g).to(torch.bfloat16)
         res = torch.randn(t, h, generator=g).to(torch.bfloat16)
         w = (torch.randn(h, generator=g) * 0.1 + 1.0).to(torch.bfloat16)
-        s = rank_order_sum([x, x])
+        s = rank_order_sum([x] * world)
         scale = make_scale(quant, add_rmsnorm(s, res, w, 1e-6, 0.0)[1])
         out = backend(x.clone(), res, w, scale)
         backend.check()
