@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from arnorm.plugin import Output
 from arnorm_triton._outputs import OutputPlan
 from arnorm_triton._symm_launch import SymmLauncher
-from arnorm_triton._symm_workspace import Layout, SymmWorkspace, emulated, plan_layout
+from arnorm_triton._symm_workspace import SENTINEL_BYTE, Layout, SymmWorkspace, emulated, plan_layout
 
 if TYPE_CHECKING:
     import torch
@@ -128,4 +128,4 @@ def shared_workspace(layout: Layout, dtype: torch.dtype, directory: str, rank: i
 
 def initial_contents(layout: Layout) -> bytes:
     """A fresh buffer's bytes: flags and regions zero, the push region the sentinel (all bits set)."""
-    return bytes(layout.push_off) + b"\xff" * (layout.total_bytes - layout.push_off)
+    return bytes(layout.push_off) + bytes([SENTINEL_BYTE]) * (layout.total_bytes - layout.push_off)

@@ -32,11 +32,13 @@ if TYPE_CHECKING:
 __all__ = [
     "ALIGN",
     "KINDS",
+    "SENTINEL_BYTE",
     "Layout",
     "SymmWorkspace",
     "allocate_buffer",
     "build",
     "emulated",
+    "fill_sentinel",
     "local_offset",
     "plan_layout",
     "rendezvous",
@@ -46,6 +48,9 @@ __all__ = [
 ALIGN = 256
 #: Flag kinds: partials published, two-shot sums published, this rank done reading its peers.
 KINDS = 3
+#: Every byte of a push slot not written yet: all bits set, the kernels' sentinel (a NaN in every
+#: dtype; arnorm_triton._symm_kernels._sentinel).
+SENTINEL_BYTE = 0xFF
 
 
 def _round_up(n: int, m: int) -> int:
@@ -130,18 +135,18 @@ def plan_layout(
         region = _round_up(cap * row, ALIGN)
         return flags + region * (2 if two else 1)
 
-    def push_bytes(rows: int) -> int:
+    def push_size(rows: int) -> int:
         return _round_up(2 * world * rows * row, ALIGN)
 
-    cap, two = regions(max_bytes - push_bytes(push_cap))
+    cap, two = regions(max_bytes - push_size(push_cap))
     if push_cap > cap:  # push slots never take the rows of tokens the op could not serve anyway
         push_cap = cap
-        cap, two = regions(max_bytes - push_bytes(push_cap))
+        cap, two = regions(max_bytes - push_size(push_cap))
     region = _round_up(cap * row, ALIGN)
     in_off = flags
     sum_off = in_off + region if two else in_off
     size = total(cap, two) if cap > 0 else flags
-    end = size + push_bytes(push_cap)
+    end = size + push_size(push_cap)
     return Layout(world, slots, hidden, itemsize, cap, two, flags, in_off, sum_off, end, size, push_cap)
 
 
@@ -220,7 +225,7 @@ def emulated(layout: Layout, dtype: torch.dtype, device: Any = "cpu") -> list[Sy
 
     bufs = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(layout.world)]
     for b in bufs:
-        b[layout.push_off :].fill_(255)
+        fill_sentinel(b, layout)
     addresses = [int(b.data_ptr()) for b in bufs]
     return [_new_local(layout, r, b, addresses, dtype, None) for r, b in enumerate(bufs)]
 
@@ -233,8 +238,14 @@ def allocate_buffer(layout: Layout, device: torch.device) -> torch.Tensor:
 
     buffer = symm_mem.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     buffer[: layout.flags_bytes].zero_()
-    buffer[layout.push_off :].fill_(255)
+    fill_sentinel(buffer, layout)
     return buffer
+
+
+def fill_sentinel(buffer: torch.Tensor, layout: Layout) -> None:
+    """Every byte of ``buffer``'s push slots :data:`SENTINEL_BYTE` (a fresh buffer, before any peer
+    may push into it)."""
+    buffer[layout.push_off :].fill_(SENTINEL_BYTE)
 
 
 def rendezvous(buffer: torch.Tensor, group: Any) -> Any:
