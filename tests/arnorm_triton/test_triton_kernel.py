@@ -23,7 +23,7 @@ from triton_cases import (
     variant_id,
 )
 
-from arnorm.plugin import add_rmsnorm
+from arnorm.plugin import FORMAT_SPECS, add_rmsnorm
 from arnorm.quant import quantize, swizzle_128x4
 from arnorm_triton._kernels import _swizzled_offset
 
@@ -101,6 +101,7 @@ def test_problem_without_a_layout_gets_the_formats_default(quant):
     problem = make_problem(64, torch.bfloat16, quant, None, device=DEVICE)
     out = make_backend(problem)(partials[0].clone(), residual, weight, scale)
     assert problem.scale_layout is None
+    assert out.quant.layout == FORMAT_SPECS[quant].default_layout
     check_output(out, partials[0], residual, weight, make_problem(64, torch.bfloat16, quant, out.quant.layout,
                  device=DEVICE), scale)  # fmt: skip
 
