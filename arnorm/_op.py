@@ -232,8 +232,13 @@ class AllReduceNorm:
         self._trusted_scales = self._trust.scales
         self._last_weight: Any = None
         self._last_wptr = -1
-        # Acquired without blocking: atomic, so two threads can never both run a call.
-        self._in_call = threading.Lock()
+        # The call's token: list.pop is atomic, so two threads can never both hold it (a
+        # non-blocking Lock.acquire is too, at twice the cost per call).
+        self._token = [None]
+        self._consts = (
+            self._hidden, self._row_bytes, self._dtype, self._on_cpu, self._index, self._max_tokens
+        )  # fmt: skip
+        self._out_spans = self._out_trust.table
         self._check_calls = bool(config.check_calls)
         self._seq = 0
         self._is_compiling = torch.compiler.is_compiling

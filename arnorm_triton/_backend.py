@@ -263,7 +263,7 @@ class TritonBackend:
             return None
         alloc, output, own_scales = self._alloc, self._output, self._own_scales
         inplace, h = self._inplace, self._hidden
-        launch_pointers, launch = self._launcher.launch_pointers, self._launcher.launch
+        go, launch = self._launcher.rows_launcher(), self._launcher.launch
 
         def fast(t: int, x: Any, res: Any, w: Any, scale: Any, out: Output | None, xp: int, rp: int, wp: int,
                  sp: int) -> Output:  # fmt: skip
@@ -280,7 +280,7 @@ class TritonBackend:
             yp = hp if y is None else y.data_ptr()
             qp = hp if q is None else q.data_ptr()
             sfp = hp if sf is None else sf.data_ptr()
-            if not launch_pointers(t, xp, rp, wp, sp or hp, hp, yp, qp, sfp, h, h, h):
+            if not go(t, xp, rp, wp, sp or hp, hp, yp, qp, sfp):
                 launch(x, res, w, scale, h_out, y, q, sf, t, h, h, h)
             return output(y, h_out, q, sf, scale)
 

@@ -100,7 +100,7 @@ class FusedLauncher:
         # Triton specializes integer arguments divisible by 16: strides must keep that property.
         self._div16 = hidden % 16 == 0
         self._bound: dict[LaunchConfig, Bound] = {}
-        self._by_rows: dict[int, tuple[Any, int, Any, Any]] = {}
+        self._by_rows: dict[int, tuple[Any, ...]] = {}
         self._get_stream: Callable[[int], int] | None = None
         self._device_index = 0
 
@@ -165,9 +165,7 @@ class FusedLauncher:
         nothing); ``False`` when it cannot be taken (no bound launcher, a specialization that does
         not hold, a launch hook installed): then nothing was launched, and :meth:`launch` must be used.
         """
-        entry = self._by_rows.get(n_rows)
-        if entry is None:
-            entry = self._entry(n_rows)
+        entry = self._by_rows.get(n_rows) or self._entry(n_rows)
         run = entry[0]
         if run is None:
             return False
@@ -184,17 +182,46 @@ class FusedLauncher:
         if hook is not None and not (type(hook) is HOOK_CHAIN and not hook.calls):
             return False
         run(
-            entry[1], 1, 1, self._get_stream(self._device_index), entry[2], *entry[3],  # type: ignore[misc]
+            entry[1], 1, 1, entry[4](entry[5]), entry[2], *entry[3],
             xp, rp, wp, sp, hp, yp, qp, sfp, n_rows, x_stride, res_stride, h_stride, *self._tail,
         )  # fmt: skip
         return True
 
-    def _entry(self, n_rows: int) -> tuple[Any, int, Any, Any]:
-        """``(run, grid, function, mid)`` for ``n_rows``: the bound launcher (``run`` None when
-        there is none) flattened with the grid; cached per token count once launchers are bound."""
+    def rows_launcher(self) -> Callable[[int, int, int, int, int, int, int, int, int], bool]:
+        """:meth:`launch_pointers` for contiguous rows (every stride H) whose outputs ``yp``, ``qp``,
+        ``sfp`` are known 16-byte aligned (the backend's own allocations, or ``out=`` buffers arnorm
+        checked): ``go(n_rows, xp, rp, wp, sp, hp, yp, qp, sfp) -> bool``. The eager fast path's
+        launch: one frame, and the constant parts of the test made once here."""
+        by_rows, entry_of, tail, h = self._by_rows, self._entry, self._tail, self.hidden
+        if not self._div16 and h == 1:  # a stride of 1 would break the bound specialization
+
+            def never(*pointers: int) -> bool:
+                return False
+
+            return never
+
+        def go(n_rows: int, xp: int, rp: int, wp: int, sp: int, hp: int, yp: int, qp: int, sfp: int) -> bool:
+            e = by_rows.get(n_rows) or entry_of(n_rows)
+            if e[0] is None or (xp | rp | wp | hp) & 15:
+                return False
+            hook = RUNTIME.launch_enter_hook
+            if hook is not None and not (type(hook) is HOOK_CHAIN and not hook.calls):
+                return False
+            e[0](e[1], 1, 1, e[4](e[5]), e[2], *e[3], xp, rp, wp, sp, hp, yp, qp, sfp, n_rows, h, h, h, *tail)
+            return True
+
+        return go
+
+    def _entry(self, n_rows: int) -> tuple[Any, ...]:
+        """``(run, grid, function, mid, get_stream, device_index)`` for ``n_rows``: the bound
+        launcher (``run`` None when there is none) flattened with the grid and the stream's source;
+        cached per token count once launchers are bound."""
         bound = self._bound.get(self.config(n_rows))
         grid = self.grid_rows(n_rows)
-        entry = (None, grid, None, ()) if bound is None else (bound.run, grid, bound.function, bound.mid)
+        if bound is None:
+            entry: tuple[Any, ...] = (None, grid, None, (), None, 0)
+        else:
+            entry = (bound.run, grid, bound.function, bound.mid, self._get_stream, self._device_index)
         if self._bound:
             self._by_rows[n_rows] = entry
         return entry

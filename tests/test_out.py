@@ -186,6 +186,48 @@ def test_out_overlapping_an_input_is_rejected_exactly_when_bytes_are_shared(targ
             op(x, r, w, out=out)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    target=st.sampled_from(["hidden_states", "residual", "weight", "scale"]),
+    offset=st.integers(min_value=-40, max_value=40),
+    add_residual=st.booleans(),
+)
+def test_a_trusted_out_meeting_a_later_input_is_rejected_exactly_when_bytes_are_shared(
+    target, offset, add_residual
+):
+    """out trusted by a good call, then an input placed around out.normed: rejected iff bytes meet
+    (the call's inline test of a trusted out, with and without a residual)."""
+    if target == "residual" and not add_residual:
+        target = "hidden_states"
+    t = 2
+    base = torch.zeros(4096, dtype=torch.bfloat16)
+    at = 1024  # out.normed's element offset in base
+    with make(quant="fp8_static", add_residual=add_residual) as op:
+        x, r, w, s = inputs(t, "fp8_static")
+        r = r if add_residual else None
+        out = op.empty_output(t, s)
+        out = arnorm.Output(base[at : at + t * H].view(t, H), None, out.quant)  # type: ignore[arg-type]
+        op(x.clone(), r, w, s, out=out)  # trusted from here on
+        start = at + offset * 8  # multiples of 8 elements keep 16-byte alignment
+        size = {"hidden_states": t * H, "residual": t * H, "weight": H, "scale": 2}[target]
+        placed = base[start : start + size]
+        if target == "weight":
+            w = placed.copy_(w)
+        elif target == "residual":
+            r = placed.view(t, H).copy_(r)
+        elif target == "scale":
+            s = placed.view(torch.float32).copy_(s)
+        else:
+            x = placed.view(t, H).copy_(x)
+        if start < at + t * H and at < start + size:
+            with pytest.raises(
+                arnorm.InvalidInputError, match=rf"^out.normed: overlaps {target} \(needs a separate"
+            ):
+                op(x, r, w, s, out=out)
+        else:
+            op(x, r, w, s, out=out)
+
+
 def test_a_data_swap_on_a_trusted_out_is_checked_again(clean_env):
     """out.normed.data = hidden_states after a good call: the pointer changed, so the overlap is caught."""
     with make("triton") as op:

@@ -295,3 +295,50 @@ def test_a_launch_hook_sends_launches_the_ordinary_way(monkeypatch):
         chain.remove(hook)
     launcher.launch(*ptrs, 2, 256, 256, 256)
     assert fake.compiled.calls == 2
+
+
+def _pointers(ptrs) -> tuple[int, ...]:
+    x, res, w, scale, h, y, q, sf = ptrs
+    return (x.data_ptr(), res.data_ptr(), w.data_ptr(), scale.data_ptr(), h.data_ptr(), y.data_ptr(),
+            q.data_ptr(), sf.data_ptr())  # fmt: skip
+
+
+def test_rows_launcher_launches_contiguous_rows_like_launch(monkeypatch):
+    """The eager fast path's launcher goes direct for aligned contiguous rows, bit for bit as launch."""
+    fake = _setup(monkeypatch, corrupt=False)
+    launcher = _launcher("nvfp4", "swizzled_128x4")
+    ptrs = _buffers(3, 256)
+    assert _bind(launcher, ptrs, ptrs[4:], 3)
+    expect = [o.clone() for o in ptrs[4:]]
+    for o in ptrs[4:]:
+        o.zero_()
+    assert launcher.rows_launcher()(3, *_pointers(ptrs))
+    assert fake.compiled.calls == 2
+    for a, b in zip(ptrs[4:], expect, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_rows_launcher_refuses_what_launch_would_send_the_ordinary_way(monkeypatch):
+    """A misaligned input, an unbound launcher or a profiler's hook: go() launches nothing and says so."""
+    fake = _setup(monkeypatch, corrupt=False)
+    launcher = _launcher()
+    ptrs = _buffers(2, 256)
+    go = launcher.rows_launcher()
+    assert not go(2, *_pointers(ptrs))  # not bound yet
+    assert _bind(launcher, ptrs, ptrs[4:6], 2)
+    p = _pointers(ptrs)
+    for i in range(3):  # x, residual, weight two bytes off
+        assert not go(2, *p[:i], p[i] + 2, *p[i + 1 :])
+    assert not go(2, *p[:4], p[4] + 2, *p[5:])  # the residual output
+    chain = triton.knobs.runtime.launch_enter_hook
+
+    def hook(*args):
+        return None
+
+    chain.add(hook)
+    try:
+        assert not go(2, *p)
+    finally:
+        chain.remove(hook)
+    assert fake.compiled.calls == 1  # only the validation launch at bind
+    assert go(2, *p) and fake.compiled.calls == 2
