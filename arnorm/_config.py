@@ -59,6 +59,8 @@ class Config(BaseSettings):
     ``check_calls``    ``ARNORM_CHECK_CALLS``     compare every call's fingerprint across ranks
                                                   before its collective; slow, for debugging (off)
     ``probe_timeout``  ``ARNORM_PROBE_TIMEOUT``   seconds a backend's probe may take (15)
+    ``accelerate``     ``ARNORM_ACCELERATE``      test valid calls in arnorm's C helper, built
+                                                  once with Python's C compiler (on)
     ``settings``       (code only)                per-backend settings overrides,
                                                   ``{"triton": {"exact": True}}``
     =================  =========================  ====================================================
@@ -81,6 +83,13 @@ class Config(BaseSettings):
         allow_inf_nan=False,
         description="Seconds a backend's probe may take before it is rejected "
         "(FlashInfer's import alone took 5 s on an H200; JIT builds belong in create()).",
+    )
+    accelerate: bool = Field(
+        default=True,
+        description="Make the valid-call test of a backend's fast path in arnorm's C helper "
+        "(arnorm/_accel.c, compiled once per interpreter into ~/.cache/arnorm); the Python test "
+        "runs where it declines, is off or cannot be built. A speed-up only: results and errors "
+        "are the same.",
     )
     settings: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-backend settings set in code: {backend: {field: value}}."

@@ -32,7 +32,7 @@ def _gpu_lines() -> list[str]:
 
 
 def report() -> str:
-    """A plain-text report: python, torch, CUDA/ROCm, GPUs and peer access, backends."""
+    """A plain-text report: python, torch, CUDA/ROCm, GPUs and peer access, the call check, backends."""
     import torch
     import torch.distributed as dist
 
@@ -50,6 +50,13 @@ def report() -> str:
         ),
     ]
     lines += _gpu_lines()
+    from arnorm._accel import accelerator
+
+    helper = accelerator()
+    if helper.accept is not None:
+        lines.append(f"call check: C helper ({helper.path})")
+    else:
+        lines.append(f"call check: Python (the C helper is absent: {helper.reason})")
     lines.append("backends:")
     for info in arnorm.backends():
         version = f" {info.version}" if info.version else ""

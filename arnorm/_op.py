@@ -243,6 +243,17 @@ class AllReduceNorm:
         self._seq = 0
         self._is_compiling = torch.compiler.is_compiling
         self._grad_enabled = torch.is_grad_enabled
+        # The C helper's copy of the test, where a backend has a fast path for it to call.
+        self._accept: Any = None
+        self._accel_state = (
+            self._hidden, self._row_bytes, self._dtype, self._on_cpu, self._index, self._max_tokens,
+            self._scaled, self._add_residual, self._token, self._fast_table, self._trusted_weights,
+            self._trusted_scales, self._out_spans, self._grad_enabled,
+        )  # fmt: skip
+        if config.accelerate and not self._check_calls and any(f is not None for f in self._fast_table):
+            from arnorm._accel import accelerator
+
+            self._accept = accelerator().accept
         self._handle = register_handle(self)
         self._closed = False
 

@@ -13,6 +13,7 @@ setting reads is reported once per process, naming the settings it could have me
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -131,4 +132,6 @@ def warn_unknown_variables(core_fields: Iterable[str], backends: Mapping[str, It
             valid = ", ".join(prefix + f.upper() for f in fields) or "none"
             _warn_once(key, f"{key}: not a setting of backend {name!r} (needs one of: {valid})")
         else:
-            _warn_once(key, f"{key}: not an arnorm setting (needs one of {', '.join(sorted(core))})")
+            # The likeliest meant first: difflib orders every name by similarity to the one found.
+            ordered = difflib.get_close_matches(key, sorted(core), n=len(core), cutoff=0.0)
+            _warn_once(key, f"{key}: not an arnorm setting (needs one of {', '.join(ordered)})")

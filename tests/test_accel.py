@@ -1,0 +1,220 @@
+"""The C helper (``arnorm/_accel.c``): built once, a subset of the Python call test, never a new error."""
+
+from __future__ import annotations
+
+import sysconfig
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arnorm
+import arnorm._accel as accel
+from arnorm._validate import check_call
+from arnorm.plugin import Capabilities
+
+import fake_backends as fb
+
+H = 32
+WRITES_OUT = Capabilities(
+    platforms=frozenset({"cpu"}),
+    quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+    caller_outputs=True,
+    strided_rows=True,
+)
+HAS_COMPILER = bool(accel._compiler() and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists())
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler or Python.h here")
+
+
+@pytest.fixture
+def fastpath(clean_env):
+    B = fb.FastPathBackend
+    B.fast_calls, B.slow_calls, B.decline, B.fast_path_error = [], [], False, None
+    fb.install(fb.spec("fastpath", 50, "FastPathBackend", caps=WRITES_OUT))
+    yield B
+    B.decline, B.fast_path_error = False, None
+
+
+def make(**kw) -> arnorm.AllReduceNorm:
+    base = dict(
+        hidden_size=H, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=8, backend="fastpath"
+    )
+    base.update(kw)
+    return arnorm.AllReduceNorm(arnorm.LOCAL, **base)
+
+
+def rand(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape)
+
+
+@needs_compiler
+def test_the_helper_builds_here_and_ops_with_a_fast_path_use_it(fastpath):
+    """With a C compiler the helper loads from the cache; an op whose backend has a fast path holds it."""
+    helper = accel.accelerator()
+    assert helper.accept is not None, helper.reason
+    assert helper.path is not None and helper.path.parent == accel.cache_dir()
+    with make() as op:
+        assert op._accept is helper.accept
+        x, r, w = rand(3, H), rand(3, H), rand(H)
+        op(x.clone(), r, w)  # the Python call trusts the weight
+        assert len(fastpath.fast_calls) == 1
+        got = op._accept(op._accel_state, op, x, r, w, None, None)
+        assert got is not NotImplemented and len(fastpath.fast_calls) == 2  # the helper's own call
+
+
+def test_a_failing_compiler_leaves_the_python_path_and_says_why(monkeypatch, tmp_path):
+    """A compiler that exits non-zero: no helper, a reason in the rejection grammar, nothing cached."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    helper = accel._load()
+    assert helper.accept is None
+    assert (
+        helper.reason.startswith("C compiler: false exit 1")
+        and "(needs a working C compiler)" in helper.reason
+    )
+    assert list((tmp_path / "arnorm").iterdir()) == []
+
+
+def test_ops_without_the_helper_still_call_correctly(fastpath, monkeypatch):
+    """Config(accelerate=False), check_calls, or no helper at all: the op runs the Python test only."""
+    assert make(config=arnorm.Config(accelerate=False))._accept is None
+    assert make(config=arnorm.Config(check_calls=True))._accept is None
+    monkeypatch.setattr(accel, "_LOADED", [accel.Accelerator(None, None, "C compiler: none (needs one)")])
+    with make() as op:
+        assert op._accept is None
+        x, r, w = rand(2, H), rand(2, H), rand(H)
+        op(x, r, w)
+        assert len(fastpath.fast_calls) == 1
+
+
+def _variant(kind: str, x, r, w, s):
+    buf = torch.randn(8, H)
+    return {
+        "ok": (x, r, w, s),
+        "view_alias": (x, x.view(4, H), w, s),
+        "overlap": (buf[0:4], buf[2:6], w, s),
+        "disjoint": (buf[0:4], buf[4:8], w, s),
+        "dtype": (x.double(), r, w, s),
+        "res_dtype": (x, r.half(), w, s),
+        "shape": (x[:, :4].contiguous(), r, w, s),
+        "res_shape": (x, r[:2], w, s),
+        "res_3d": (x, r.view(4, 1, H), w, s),
+        "w_shape": (x, r, w[:4], s),
+        "strided": (torch.randn(4, 2 * H)[:, :H], r, w, s),
+        "too_many": (torch.randn(9, H), torch.randn(9, H), w, s),
+        "zero_rows": (torch.randn(0, H), torch.randn(0, H), w, s),
+        "meta": (torch.empty(4, H, device="meta"), r, w, s),
+        "w_in_x": (x, r, x[0], s),
+        "new_weight": (x, r, w.clone(), s),
+        "no_scale": (x, r, w, None),
+        "extra_scale": (x, r, w, torch.ones(1)),
+        "scale_in_x": (x, r, w, x.view(-1)[:1]),
+        "new_scale": (x, r, w, None if s is None else s.clone()),
+        "leaf_grad": (torch.randn(4, H, requires_grad=True), r, w, s),
+        "not_tensor": (x.tolist(), r, w, s),
+        "w_none": (x, r, None, s),
+        "res_none": (x, None, w, s),
+    }[kind]
+
+
+KINDS = ["ok", "view_alias", "overlap", "disjoint", "dtype", "res_dtype", "shape", "res_shape", "res_3d",
+         "w_shape", "strided", "too_many", "zero_rows", "meta", "w_in_x", "new_weight", "no_scale",
+         "extra_scale", "scale_in_x", "new_scale", "leaf_grad", "not_tensor", "w_none",
+         "res_none"]  # fmt: skip
+
+
+def _python_accepts(op, args, out) -> bool:
+    """What the Python call would let through to the fast path (its full checks, raising or not)."""
+    try:
+        check_call(op._rules, *args)
+        if out is not None:
+            op._out_trust.check(out, args[0].shape[0], args)
+    except arnorm.InvalidInputError:
+        return False
+    x, r = args[0], args[1]
+    return x.is_contiguous() and r is not None and r.is_contiguous()
+
+
+@needs_compiler
+@settings(max_examples=150, deadline=None)
+@given(
+    kind=st.sampled_from(KINDS),
+    quant=st.sampled_from([None, "fp8_static"]),
+    inplace=st.booleans(),
+    with_out=st.sampled_from([None, "trusted", "overlapping"]),
+    grad=st.booleans(),
+)
+def test_the_helper_accepts_a_subset_of_what_the_python_call_accepts(kind, quant, inplace, with_out, grad):
+    """For every drawn input the helper either declines (NotImplemented) or the Python checks pass too;
+    a valid call with a trusted weight, scale and out is accepted and reaches the fast path."""
+    fb.FastPathBackend.fast_calls, fb.FastPathBackend.decline = [], False
+    fb.install(fb.spec("fastpath", 50, "FastPathBackend", caps=WRITES_OUT))
+    x, r, w = rand(4, H), rand(4, H), rand(H)
+    s = torch.tensor([0.5]) if quant else None
+    with make(quant=quant, inplace=inplace) as op, torch.set_grad_enabled(grad):
+        out = None
+        if with_out is not None:
+            out = op.empty_output(4, s)
+            op(x.clone(), r, w, s, out=out)  # weight, scale and out trusted
+            if with_out == "overlapping":  # the same out, now meeting hidden_states
+                x = out.normed if out.normed is not None else out.quant.data.view(torch.float32)
+        else:
+            op(x.clone(), r, w, s)
+        args = _variant(kind, x, r, w, s)
+        before = len(fb.FastPathBackend.fast_calls)
+        got = op._accept(op._accel_state, op, *args, out)
+        accepted = got is not NotImplemented
+        assert accepted == (len(fb.FastPathBackend.fast_calls) == before + 1)
+        if accepted:
+            assert _python_accepts(op, args, out), kind
+        if kind == "ok" and with_out != "overlapping":
+            assert accepted, "a valid call with everything trusted must take the helper's path"
+
+
+@needs_compiler
+def test_an_error_in_the_fast_path_reaches_the_caller_once(fastpath, monkeypatch):
+    """A fast path that raises: the caller sees that error, and the fast path ran once, not twice."""
+    with make() as op:
+        x, r, w = rand(2, H), rand(2, H), rand(H)
+        op(x.clone(), r, w)
+        calls = []
+
+        def broken(*args):
+            calls.append(args)
+            raise RuntimeError("launch failed")
+
+        op._fast_table[2] = broken
+        with pytest.raises(RuntimeError, match="launch failed"):
+            op(x, r, w)
+        assert len(calls) == 1
+        assert op._token == [None]  # the token came back
+
+
+@needs_compiler
+def test_a_second_thread_meeting_the_helpers_call_raises(fastpath):
+    """While one thread is inside the fast path (taken by the helper), a second call raises."""
+    with make() as op:
+        x, r, w = rand(2, H), rand(2, H), rand(H)
+        op(x.clone(), r, w)
+        entered, release = threading.Event(), threading.Event()
+
+        def slow_fast(*args):
+            entered.set()
+            release.wait(10)
+            return "done"
+
+        op._fast_table[2] = slow_fast
+        results = []
+        worker = threading.Thread(target=lambda: results.append(op(x, r, w)))
+        worker.start()
+        assert entered.wait(10)
+        try:
+            with pytest.raises(arnorm.InvalidInputError, match="called from two threads at once"):
+                op(x, r, w)
+        finally:
+            release.set()
+            worker.join(10)
+        assert results == ["done"] and op._token == [None]
