@@ -209,13 +209,17 @@ class Inputs:
         self.scale = torch.tensor([scales[fmt]], device=d) if fmt in scales else None
 
 
-def make_op(dev: Any, h: int, fmt: str, normed: bool, max_tokens: int, pdl: bool = True) -> Any:
+def make_op(
+    dev: Any, h: int, fmt: str, normed: bool, max_tokens: int, pdl: bool = True, accelerate: bool = True
+) -> Any:
     import torch
 
     import arnorm
 
     quant, layout = FORMATS[fmt]
-    config = None if pdl else arnorm.Config(settings={"triton": {"pdl": False}})
+    config = None
+    if not pdl or not accelerate:
+        config = arnorm.Config(settings={} if pdl else {"triton": {"pdl": False}}, accelerate=accelerate)
     return arnorm.AllReduceNorm(
         arnorm.LOCAL, hidden_size=h, dtype=torch.bfloat16, norm=arnorm.RMSNorm(EPS), quant=quant,
         scale_layout=layout, max_tokens=max_tokens, normed_output=normed, device=dev.device, config=config,
@@ -305,6 +309,8 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
                 ops.append(make_op(dev, h, fmt, normed, max_tokens=64))
                 # the launch without the programmatic-dependent-launch attribute: its host cost
                 ops.append(make_op(dev, h, fmt, normed, max_tokens=64, pdl=False))
+                # the argument check in Python (no C helper): what the helper saves
+                ops.append(make_op(dev, h, fmt, normed, max_tokens=64, accelerate=False))
                 timed = dev.eager_all(eager_paths(dev, fi, inp, normed, *ops), args.iters, args.eager_rounds)
             except Exception as exc:
                 errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -318,7 +324,7 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
 
 
 def eager_paths(
-    dev: Any, fi: Any, inp: Inputs, normed: bool, op: Any, op_plain: Any
+    dev: Any, fi: Any, inp: Inputs, normed: bool, op: Any, op_plain: Any, op_py: Any
 ) -> dict[str, Callable[[], Any]]:
     """Label -> a call to time, for one case: the public op and its breakdown, then FlashInfer's.
     Every call is a lambda, as FlashInfer's are (a partial with a keyword argument costs more)."""
@@ -326,11 +332,12 @@ def eager_paths(
 
     h = inp.h
     x, r, w, s = inp.x.clone(), inp.r, inp.w, inp.scale
-    out, out_plain = op.empty_output(1, s), op_plain.empty_output(1, s)
+    out, out_plain, out_py = op.empty_output(1, s), op_plain.empty_output(1, s), op_py.empty_output(1, s)
     paths: dict[str, Callable[[], Any]] = {
         f"arnorm.AllReduceNorm ({op.backend})": lambda: op(x, r, w, s),
         f"arnorm.AllReduceNorm out= ({op.backend})": lambda: op(x, r, w, s, out=out),
         f"  out=, pdl off ({op_plain.backend})": lambda: op_plain(x, r, w, s, out=out_plain),
+        f"  out=, Python check (accelerate off) ({op_py.backend})": lambda: op_py(x, r, w, s, out=out_py),
     }
     impl = getattr(op, "_table", [None, None])[1]  # the selected backend (private: a breakdown)
     fast = getattr(op, "_fast_table", [None, None])[1]
@@ -363,7 +370,7 @@ def prebuilt_launch(launcher: Any, tensors: tuple[Any, ...], h: int) -> Callable
     launcher's time goes); ``None`` without a direct launch."""
     if not getattr(launcher, "fast", False):
         return None
-    run, grid, function, mid = launcher._entry(1)
+    run, grid, function, mid = launcher._entry(1)[:4]
     if run is None:
         return None
     base = tensors[4]
