@@ -23,10 +23,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from arnorm.plugin import ArnormError, BackendSetupError, Output
 from arnorm_triton._symm_plugin import (
     DEFAULT_MAX_BYTES,
-    DEFAULT_ONESHOT_MAX_TOKENS,
-    DEFAULT_PUSH_MAX_TOKENS,
     DEFAULT_SPIN_LIMIT,
     MAX_WORLD_SIZE,
+    auto_oneshot_tokens,
 )
 from arnorm_triton._symm_setup import agree_topology, collective_step, symmetric_memory_reasons
 
@@ -125,6 +124,8 @@ class TritonSymmBackend:
         rank that cannot build the workspace makes every rank raise the same error instead of
         leaving its peers in a rendezvous or a kernel).
         """
+        import torch
+
         from arnorm_triton._symm_workspace import (
             allocate_buffer,
             build,
@@ -133,19 +134,21 @@ class TritonSymmBackend:
             rendezvous,
         )
 
+        itemsize = getattr(torch, problem.dtype).itemsize
+        # Unset crossovers depend on the world size and the row (the same on every rank).
+        auto = auto_oneshot_tokens(comm.world_size, problem.hidden_size * itemsize)
+        oneshot = getattr(settings, "oneshot_max_tokens", None)
+        push = getattr(settings, "push_max_tokens", None)
         values = {
             "max_bytes": int(getattr(settings, "max_bytes", DEFAULT_MAX_BYTES)),
-            "oneshot_max_tokens": int(getattr(settings, "oneshot_max_tokens", DEFAULT_ONESHOT_MAX_TOKENS)),
+            "oneshot_max_tokens": auto if oneshot is None else int(oneshot),
             "spin_limit": int(getattr(settings, "spin_limit", DEFAULT_SPIN_LIMIT)),
-            "push_max_tokens": int(getattr(settings, "push_max_tokens", DEFAULT_PUSH_MAX_TOKENS)),
+            "push_max_tokens": auto if push is None else int(push),
             "pdl": int(bool(getattr(settings, "pdl", True))),
         }
         if comm.group is None or comm.world_size < 2:
             raise BackendSetupError(f"world size: {comm.world_size} (needs 2 to {MAX_WORLD_SIZE} ranks)")
         slots = agree_topology(comm)
-        import torch
-
-        itemsize = getattr(torch, problem.dtype).itemsize
         layout = plan_layout(
             world=comm.world_size,
             slots=slots,

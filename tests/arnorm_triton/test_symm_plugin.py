@@ -20,9 +20,9 @@ from arnorm_triton._symm_backend import TritonSymmBackend
 from arnorm_triton._symm_plugin import (
     CAPABILITIES,
     DEFAULT_MAX_BYTES,
-    DEFAULT_ONESHOT_MAX_TOKENS,
     TritonSymmSettings,
     arnorm_backends,
+    auto_oneshot_tokens,
 )
 from arnorm_triton._symm_setup import agree_topology, collective_step, symmetric_memory_reasons
 from arnorm_triton._symm_workspace import ALIGN, emulated, min_bytes, plan_layout
@@ -66,14 +66,14 @@ def test_residual_free_ops_get_a_zero_residual():
 
 
 def test_settings_defaults_and_variables(clean_env):
-    """ARNORM_TRITON_SYMM_MAX_BYTES / _ONESHOT_MAX_TOKENS / _SPIN_LIMIT are read; bad values name
-    the variable."""
+    """ARNORM_TRITON_SYMM_MAX_BYTES / _ONESHOT_MAX_TOKENS / _SPIN_LIMIT are read (the crossovers
+    unset by default: create() resolves them by world size); bad values name the variable."""
     from arnorm._discovery import get_registry
     from arnorm._settings import backend_settings
 
     spec = get_registry().get("triton_symm").spec
     s = backend_settings(spec, None)
-    assert (s.max_bytes, s.oneshot_max_tokens) == (DEFAULT_MAX_BYTES, DEFAULT_ONESHOT_MAX_TOKENS)
+    assert (s.max_bytes, s.oneshot_max_tokens, s.push_max_tokens) == (DEFAULT_MAX_BYTES, None, None)
     clean_env.setenv("ARNORM_TRITON_SYMM_MAX_BYTES", "4096")
     clean_env.setenv("ARNORM_TRITON_SYMM_ONESHOT_MAX_TOKENS", "0")
     clean_env.setenv("ARNORM_TRITON_SYMM_SPIN_LIMIT", "0")
@@ -237,6 +237,41 @@ def test_create_rejects_a_budget_without_one_token(monkeypatch):
         TritonSymmBackend.create(problem, _fake_comm(), TritonSymmSettings(max_bytes=100))
     with pytest.raises(BackendSetupError, match=r"world size: 1 \(needs 2 to 8 ranks\)"):
         TritonSymmBackend.create(problem, Comm(None, torch.device("cpu")), TritonSymmSettings())
+
+
+@pytest.mark.parametrize(
+    ("world", "row_bytes", "tokens"),
+    [(2, 16384, 128), (4, 16384, 128), (8, 16384, 32), (8, 8192, 64), (3, 16384, 128), (5, 16384, 32),
+     (6, 65536, 8), (2, 1 << 20, 32), (8, 1 << 20, 0)],
+)  # fmt: skip
+def test_unset_crossovers_shrink_with_the_world_size(world, row_bytes, tokens):
+    """One-shot and push serve at most 128 tokens, and at most 2 MiB (3-4 ranks) or 512 KiB (5-8) of
+    a rank's partial: one-shot's traffic grows with the world size, two-shot's does not."""
+    assert auto_oneshot_tokens(world, row_bytes) == tokens
+
+
+@pytest.mark.parametrize(("world", "settings", "expect"), [
+    (8, {}, (32, 32)),
+    (2, {}, (128, 128)),
+    (8, {"oneshot_max_tokens": 100, "push_max_tokens": 0}, (100, 0)),
+    (8, {"push_max_tokens": 7}, (32, 7)),
+])  # fmt: skip
+def test_create_resolves_unset_crossovers_by_world_size(monkeypatch, world, settings, expect):
+    """create() hands the layout the world-size default for an unset crossover and a set one as set."""
+    import arnorm_triton._symm_workspace as W
+
+    seen = {}
+
+    def record(**kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(B, "agree_topology", lambda comm: 8)
+    monkeypatch.setattr(W, "plan_layout", record)
+    problem = make_problem(8192, torch.bfloat16, world_size=world)
+    with pytest.raises(RuntimeError, match="stop here"):
+        TritonSymmBackend.create(problem, _fake_comm(world), TritonSymmSettings(**settings))
+    assert (seen["oneshot_max"], seen["push_max"]) == expect
 
 
 def test_call_picks_the_kernel_variant(monkeypatch):
