@@ -126,16 +126,23 @@ def to_dtype_rne(x, DTYPE: tl.constexpr, SOFT: tl.constexpr):
 
 
 @triton.jit
-def e4m3_bits(x, SOFT: tl.constexpr):
+def e4m3_bits(x, SOFT: tl.constexpr, CLAMP: tl.constexpr = True):
     """fp32 -> saturated float8_e4m3fn code as uint8 (what the kernel stores); NaN -> 0x7F.
 
     The soft path never names the fp8 type, so it also compiles where Triton has no float8e4nv.
+    ``CLAMP=False`` (hardware path only) leaves the saturation to the conversion itself: on
+    CUDA SM 8.9+ (the only target of that path) Triton's one lowering of f32 -> e4m3 is
+    ``cvt.rn.satfinite.e4m3x2.f32``, which rounds to nearest even and saturates finite values and
+    infinities to +-448, the same bits as clamping first. It saves 48 of 600 instructions per
+    program at H 8192 (fp8_static) and 0.1-0.2 us per decode call on the H200; the quantizers
+    measured slower without the clamp (mxfp8) keep it (kernel-variants run 12).
     """
     if SOFT:
         return _e4m3_rne_bits(satfinite_e4m3(x))
     else:
+        sat = satfinite_e4m3(x) if CLAMP else x
         # cvt gives every NaN as 0x7F too, but the sign of a NaN is not specified anywhere: pin it.
-        code = to_dtype_rne(x, tl.float8e4nv, False).to(tl.uint8, bitcast=True)
+        code = sat.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         return tl.where(x != x, 0x7F, code).to(tl.uint8)
 
 

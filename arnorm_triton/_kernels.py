@@ -300,11 +300,11 @@ def norm_quant_apply(
 
     # Step 4: the quantizer reads the D-rounded y; amaxes propagate NaN as torch's amax does.
     if QUANT == 1:  # fp8_static: satfinite_rn(y * fp32(1 / scale))
-        tl.store(q_ptr + base + offs, e4m3_bits(yf * tl.div_rn(1.0, scale), SOFT_FP8), mask=mask)
+        tl.store(q_ptr + base + offs, e4m3_bits(yf * tl.div_rn(1.0, scale), SOFT_FP8, False), mask=mask)
     elif QUANT == 2:  # fp8_per_token: scale_t = max(amax_t / 448, 1 / (448 * 512)), q = y / scale_t
         amax = abs_max(abs_max(abs_max(yf, 2), 1), 0)
         tok_scale = tl.maximum(tl.div_rn(amax, E4M3_MAX), _MIN_TOKEN_SCALE, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + base + offs, e4m3_bits(tl.div_rn(yf, tok_scale), SOFT_FP8), mask=mask)
+        tl.store(q_ptr + base + offs, e4m3_bits(tl.div_rn(yf, tok_scale), SOFT_FP8, False), mask=mask)
         tl.store(sf_ptr + row64, tok_scale)
     elif QUANT == 3:  # nvfp4: SF = e4m3(gs * (amax16 * fp32(1/6))), q = e2m1(y * (gs / SF))
         # A float amax is abs_max's value up to the NaN payload, which no later step reads.

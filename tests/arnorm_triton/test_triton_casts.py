@@ -31,14 +31,15 @@ BLOCK = 1 << 14
 
 
 @triton.jit
-def _encode_kernel(x_ptr, bf16_ptr, f16_ptr, e4m3_ptr, e2m1_ptr, e8m0_ptr, n, SOFT: tl.constexpr,
-                   BLOCK: tl.constexpr):  # fmt: skip
+def _encode_kernel(x_ptr, bf16_ptr, f16_ptr, e4m3_ptr, e4m3_cvt_ptr, e2m1_ptr, e8m0_ptr, n,
+                   SOFT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m)
     tl.store(bf16_ptr + offs, to_dtype_rne(x, tl.bfloat16, SOFT), mask=m)
     tl.store(f16_ptr + offs, to_dtype_rne(x, tl.float16, SOFT), mask=m)
     tl.store(e4m3_ptr + offs, e4m3_bits(x, SOFT), mask=m)
+    tl.store(e4m3_cvt_ptr + offs, e4m3_bits(x, SOFT, False), mask=m)  # the conversion saturates alone
     tl.store(e2m1_ptr + offs, e2m1_code(x), mask=m)
     tl.store(e8m0_ptr + offs, k_ue8m0_round_up(tl.abs(x)).to(tl.uint8), mask=m)
 
@@ -81,12 +82,14 @@ def _check_encoders(soft: bool) -> None:
     n = x.numel()
     bf16 = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
     f16 = torch.empty(n, dtype=torch.float16, device=DEVICE)
-    e4m3, e2m1, e8m0 = (torch.empty(n, dtype=torch.uint8, device=DEVICE) for _ in range(3))
-    _encode_kernel[(triton.cdiv(n, BLOCK),)](x, bf16, f16, e4m3, e2m1, e8m0, n, SOFT=soft, BLOCK=BLOCK)
+    e4m3, e4m3_cvt, e2m1, e8m0 = (torch.empty(n, dtype=torch.uint8, device=DEVICE) for _ in range(4))
+    grid = (triton.cdiv(n, BLOCK),)
+    _encode_kernel[grid](x, bf16, f16, e4m3, e4m3_cvt, e2m1, e8m0, n, SOFT=soft, BLOCK=BLOCK)
     x = x.cpu()
     assert _nan_aware_equal(bf16.cpu(), x.to(torch.bfloat16)), "fp32 -> bf16"
     assert _nan_aware_equal(f16.cpu(), x.to(torch.float16)), "fp32 -> fp16"
     assert torch.equal(e4m3.cpu(), e4m3_encode(x)), "fp32 -> e4m3"
+    assert torch.equal(e4m3_cvt.cpu(), e4m3_encode(x)), "fp32 -> e4m3 without the clamp (CLAMP=False)"
     assert torch.equal(e2m1.cpu(), e2m1_encode(x)), "fp32 -> e2m1"
     assert torch.equal(e8m0.cpu(), ue8m0_round_up(x.abs()).to(torch.uint8)), "ue8m0 round-up"
 
@@ -116,5 +119,6 @@ def test_decoders_are_exact(soft):
 
 @pytest.mark.gpu
 def test_hardware_encoders_are_exact():
-    """SOFT=False on a GPU: the hardware cvt instructions give the same bits as the integer path."""
+    """SOFT=False on a GPU: the hardware cvt instructions give the same bits as the integer path,
+    and e4m3 without the explicit clamp too (cvt.rn.satfinite saturates by itself)."""
     _check_encoders(soft=False)
