@@ -73,13 +73,23 @@ def _load() -> Accelerator:
     try:
         source = _SOURCE.read_bytes()
         suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-        digest = hashlib.sha256(source + suffix.encode() + sys.version.encode()).hexdigest()[:16]
-        path = cache_dir() / f"{_MODULE}-{digest}{suffix}"
-        if not path.exists():
+        # A home directory shared by machines of other platforms or interpreters gets one file each.
+        key = source + suffix.encode() + sys.version.encode() + sysconfig.get_platform().encode()
+        path = cache_dir() / f"{_MODULE}-{hashlib.sha256(key).hexdigest()[:16]}{suffix}"
+        cached = path.exists()
+        if not cached:
             reason = _build(path)
             if reason:
                 return Accelerator(None, None, reason)
-        return Accelerator(_import(path).accept, path, "")
+        try:
+            return Accelerator(_import(path).accept, path, "")
+        except ImportError:
+            if not cached:
+                raise
+        # A cached file this interpreter cannot load (another libc behind the same platform tag,
+        # a truncated copy): built again once, here.
+        reason = _build(path)
+        return Accelerator(None, None, reason) if reason else Accelerator(_import(path).accept, path, "")
     except Exception as exc:  # a speed-up must never break the op: report and go without
         return Accelerator(None, None, f"C helper: {type(exc).__name__}: {exc} (needs a working build)")
 

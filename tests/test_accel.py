@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sysconfig
 import threading
 from pathlib import Path
@@ -76,6 +77,28 @@ def test_a_failing_compiler_leaves_the_python_path_and_says_why(monkeypatch, tmp
         and "(needs a working C compiler)" in helper.reason
     )
     assert list((tmp_path / "arnorm").iterdir()) == []
+
+
+@needs_compiler
+def test_a_cached_file_that_does_not_load_is_built_again(monkeypatch, tmp_path):
+    """A corrupt helper in the cache (another machine's, a truncated copy): a new process builds it
+    again and loads it."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = accel._load()
+    assert first.accept is not None and first.path is not None
+    # Replaced, not written over: this process has the first file mapped, and writing into a
+    # mapped library is a bus error.
+    bad = first.path.with_name("bad")
+    bad.write_bytes(b"not a shared object")
+    os.replace(bad, first.path)
+    probe = "import arnorm._accel as a; h = a.accelerator(); print(h.accept is not None, h.path, h.reason)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:2] == ["True", str(first.path)], done.stdout
+    assert first.path.read_bytes()[:4] == b"\x7fELF"
 
 
 def test_ops_without_the_helper_still_call_correctly(fastpath, monkeypatch):
