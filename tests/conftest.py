@@ -52,3 +52,15 @@ def clean_env(monkeypatch):
         if key.startswith("ARNORM_"):
             monkeypatch.delenv(key)
     return monkeypatch
+
+
+@pytest.fixture
+def fastpath(clean_env):
+    """The fastpath backend (tests/fake_backends.py) installed with fresh records and defaults."""
+    import fake_backends as fb
+
+    B = fb.FastPathBackend
+    B.fast_calls, B.slow_calls, B.decline, B.fast_path_error = [], [], False, None
+    fb.install(fb.spec("fastpath", 50, "FastPathBackend", caps=fb.WRITES_OUT))
+    yield B
+    B.decline, B.fast_path_error = False, None

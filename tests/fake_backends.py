@@ -9,6 +9,11 @@ from arnorm._reference import ReferenceBackend
 from arnorm.plugin import BackendSettings, BackendSpec, Capabilities, Output, add_rmsnorm, quantize_output
 
 CPU_ANY = Capabilities(platforms=frozenset({"cpu", "cuda"}))
+ALL_QUANT = frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"})
+#: What FastPathBackend declares by default: caller outputs (so its fast path is used), strided rows.
+WRITES_OUT = Capabilities(
+    platforms=frozenset({"cpu"}), quant=ALL_QUANT, caller_outputs=True, strided_rows=True
+)
 
 
 class AllReduceBackend:

@@ -7,6 +7,7 @@ import sysconfig
 import threading
 from pathlib import Path
 
+import call_kinds
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,28 +16,12 @@ from hypothesis import strategies as st
 import arnorm
 import arnorm._accel as accel
 from arnorm._validate import check_call
-from arnorm.plugin import Capabilities
 
 import fake_backends as fb
 
 H = 32
-WRITES_OUT = Capabilities(
-    platforms=frozenset({"cpu"}),
-    quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
-    caller_outputs=True,
-    strided_rows=True,
-)
 HAS_COMPILER = bool(accel._compiler() and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists())
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler or Python.h here")
-
-
-@pytest.fixture
-def fastpath(clean_env):
-    B = fb.FastPathBackend
-    B.fast_calls, B.slow_calls, B.decline, B.fast_path_error = [], [], False, None
-    fb.install(fb.spec("fastpath", 50, "FastPathBackend", caps=WRITES_OUT))
-    yield B
-    B.decline, B.fast_path_error = False, None
 
 
 def make(**kw) -> arnorm.AllReduceNorm:
@@ -113,40 +98,7 @@ def test_ops_without_the_helper_still_call_correctly(fastpath, monkeypatch):
         assert len(fastpath.fast_calls) == 1
 
 
-def _variant(kind: str, x, r, w, s):
-    buf = torch.randn(8, H)
-    return {
-        "ok": (x, r, w, s),
-        "view_alias": (x, x.view(4, H), w, s),
-        "overlap": (buf[0:4], buf[2:6], w, s),
-        "disjoint": (buf[0:4], buf[4:8], w, s),
-        "dtype": (x.double(), r, w, s),
-        "res_dtype": (x, r.half(), w, s),
-        "shape": (x[:, :4].contiguous(), r, w, s),
-        "res_shape": (x, r[:2], w, s),
-        "res_3d": (x, r.view(4, 1, H), w, s),
-        "w_shape": (x, r, w[:4], s),
-        "strided": (torch.randn(4, 2 * H)[:, :H], r, w, s),
-        "too_many": (torch.randn(9, H), torch.randn(9, H), w, s),
-        "zero_rows": (torch.randn(0, H), torch.randn(0, H), w, s),
-        "meta": (torch.empty(4, H, device="meta"), r, w, s),
-        "w_in_x": (x, r, x[0], s),
-        "new_weight": (x, r, w.clone(), s),
-        "no_scale": (x, r, w, None),
-        "extra_scale": (x, r, w, torch.ones(1)),
-        "scale_in_x": (x, r, w, x.view(-1)[:1]),
-        "new_scale": (x, r, w, None if s is None else s.clone()),
-        "leaf_grad": (torch.randn(4, H, requires_grad=True), r, w, s),
-        "not_tensor": (x.tolist(), r, w, s),
-        "w_none": (x, r, None, s),
-        "res_none": (x, None, w, s),
-    }[kind]
-
-
-KINDS = ["ok", "view_alias", "overlap", "disjoint", "dtype", "res_dtype", "shape", "res_shape", "res_3d",
-         "w_shape", "strided", "too_many", "zero_rows", "meta", "w_in_x", "new_weight", "no_scale",
-         "extra_scale", "scale_in_x", "new_scale", "leaf_grad", "not_tensor", "w_none",
-         "res_none"]  # fmt: skip
+KINDS = call_kinds.KINDS
 
 
 def _python_accepts(op, args, out) -> bool:
@@ -174,7 +126,7 @@ def test_the_helper_accepts_a_subset_of_what_the_python_call_accepts(kind, quant
     """For every drawn input the helper either declines (NotImplemented) or the Python checks pass too;
     a valid call with a trusted weight, scale and out is accepted and reaches the fast path."""
     fb.FastPathBackend.fast_calls, fb.FastPathBackend.decline = [], False
-    fb.install(fb.spec("fastpath", 50, "FastPathBackend", caps=WRITES_OUT))
+    fb.install(fb.spec("fastpath", 50, "FastPathBackend", caps=fb.WRITES_OUT))
     x, r, w = rand(4, H), rand(4, H), rand(H)
     s = torch.tensor([0.5]) if quant else None
     with make(quant=quant, inplace=inplace) as op, torch.set_grad_enabled(grad):
@@ -186,7 +138,7 @@ def test_the_helper_accepts_a_subset_of_what_the_python_call_accepts(kind, quant
                 x = out.normed if out.normed is not None else out.quant.data.view(torch.float32)
         else:
             op(x.clone(), r, w, s)
-        args = _variant(kind, x, r, w, s)
+        args = call_kinds.variant(kind, x, r, w, s)
         before = len(fb.FastPathBackend.fast_calls)
         got = op._accept(op._accel_state, op, *args, out)
         accepted = got is not NotImplemented

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from call_kinds import variant
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,34 +130,6 @@ def test_a_weight_whose_storage_was_swapped_is_checked_again(clean_env):
 # -- one predicate: the fast path and check_call accept exactly the same inputs ---------------------
 
 
-def _variant(draw_kind: str, x, r, w, s):
-    buf = torch.randn(8, H)
-    table = {
-        "ok": (x, r, w, s),
-        "view_alias": (x, x.view(4, H), w, s),
-        "overlap": (buf[0:4], buf[2:6], w, s),
-        "disjoint": (buf[0:4], buf[4:8], w, s),
-        "dtype": (x.double(), r, w, s),
-        "res_dtype": (x, r.half(), w, s),
-        "w_dtype": (x, r, w.half(), s),
-        "shape": (x[:, :4].contiguous(), r, w, s),
-        "res_shape": (x, r[:2], w, s),
-        "w_shape": (x, r, w[:4], s),
-        "strided": (torch.randn(4, 2 * H)[:, :H], r, w, s),
-        "transposed": (torch.randn(H, 4).t(), r, w, s),
-        "too_many": (torch.randn(9, H), torch.randn(9, H), w, s),
-        "meta": (torch.empty(4, H, device="meta"), r, w, s),
-        "w_in_x": (x, r, x[0], s),
-        "no_scale": (x, r, w, None),
-        "extra_scale": (x, r, w, torch.ones(1)),
-        "scale_in_x": (x, r, w, x.view(-1)[:1]),
-        "leaf_grad": (torch.randn(4, H, requires_grad=True), r, w, s),
-        "not_tensor": (x.tolist(), r, w, s),
-        "w_none": (x, r, None, s),
-    }
-    return table[draw_kind]
-
-
 KINDS = st.sampled_from(
     ["ok", "view_alias", "overlap", "disjoint", "dtype", "res_dtype", "w_dtype", "shape", "res_shape",
      "w_shape", "strided", "transposed", "too_many", "meta", "w_in_x", "no_scale", "extra_scale",
@@ -188,7 +161,7 @@ def test_the_fast_path_accepts_exactly_what_check_call_accepts(
         if warm:  # the trust tables hold the good weight and scale already
             op(x.clone(), r, w, s)
             slow.clear()
-        args = _variant(kind, x, r, w, s)
+        args = variant(kind, x, r, w, s)
         try:
             check_call(op._rules, *args)
             check_ok = True

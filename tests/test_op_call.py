@@ -11,20 +11,7 @@ from arnorm.plugin import Capabilities, add_rmsnorm
 import fake_backends as fb
 
 H = 32
-ALL_QUANT = frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"})
-WRITES_OUT = Capabilities(
-    platforms=frozenset({"cpu"}), quant=ALL_QUANT, caller_outputs=True, strided_rows=True
-)
-
-
-@pytest.fixture
-def fastpath(clean_env):
-    """The fastpath backend installed with fresh records and defaults."""
-    B = fb.FastPathBackend
-    B.fast_calls, B.slow_calls, B.decline, B.fast_path_error = [], [], False, None
-    fb.install(fb.spec("fastpath", 50, "FastPathBackend", caps=WRITES_OUT))
-    yield B
-    B.decline, B.fast_path_error = False, None
+ALL_QUANT, WRITES_OUT = fb.ALL_QUANT, fb.WRITES_OUT
 
 
 def make(**kw) -> arnorm.AllReduceNorm:
