@@ -6,8 +6,9 @@
  * Anything else (a test that fails, an input it cannot read, a weight, scale or out not trusted yet,
  * grad mode with an input requiring grad, strided rows, no fast path) returns NotImplemented, and
  * the Python call runs as if this did not exist: it checks again, raises the error, or trusts the
- * new weight. None: the fast path declined the call (the Python call then skips it). So this accepts a subset of what the Python test accepts and never raises for bad
- * input; tests hold the two equal on every input they draw. Why C: the Python test is about 25
+ * new weight. None: the fast path declined the call (the Python call then skips it). So this
+ * accepts a subset of what the Python test accepts and never raises for bad input; tests hold the
+ * two equal on every input they draw. Why C: the Python test is about 25
  * calls into torch, and the interpreter's own work between them cost as much as the calls.
  */
 #define PY_SSIZE_T_CLEAN
@@ -33,10 +34,11 @@ static int is_true_method(PyObject *obj, PyObject *name) {
     return v;
 }
 
-static int is_true_attr(PyObject *obj, PyObject *name) {
+/* obj.name is expected (identity: True, a dtype); 1, 0, or -1 with an error raised. */
+static int attr_is(PyObject *obj, PyObject *name, PyObject *expected) {
     PyObject *r = PyObject_GetAttr(obj, name);
     if (r == NULL) return -1;
-    int v = (r == Py_True);
+    int v = (r == expected);
     Py_DECREF(r);
     return v;
 }
@@ -74,21 +76,13 @@ static int trusted(PyObject *table, PyObject *obj, u64 ptr) {
 
 /* The device test of the Python rule: is_cpu on a CPU op, get_device() == index on a GPU op. */
 static int on_device(PyObject *t, int on_cpu, long index) {
-    if (on_cpu) return is_true_attr(t, s_is_cpu);
+    if (on_cpu) return attr_is(t, s_is_cpu, Py_True);
     PyObject *r = PyObject_CallMethodNoArgs(t, s_get_device);
     if (r == NULL) return -1;
     long d = PyLong_AsLong(r);
     Py_DECREF(r);
     if (d == -1 && PyErr_Occurred()) return -1;
     return d == index;
-}
-
-static int is_dtype(PyObject *t, PyObject *dtype) {
-    PyObject *r = PyObject_GetAttr(t, s_dtype);
-    if (r == NULL) return -1;
-    int v = (r == dtype);
-    Py_DECREF(r);
-    return v;
 }
 
 /* A torch.Size of exactly two ints: 1 and its sizes, 0 for any other shape, -1 error. */
@@ -145,7 +139,7 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     u64 hn = (u64)t * (u64)row_bytes;
     if ((hp > rp ? hp - rp : rp - hp) < hn) goto decline;
     if (on_device(x, on_cpu, index) != 1 || on_device(res, on_cpu, index) != 1) goto decline;
-    if (is_dtype(x, dtype) != 1 || is_dtype(res, dtype) != 1) goto decline;
+    if (attr_is(x, s_dtype, dtype) != 1 || attr_is(res, s_dtype, dtype) != 1) goto decline;
     rshape = PyObject_GetAttr(res, s_shape);
     if (rshape == NULL || shape2(rshape, &rt, &rc) != 1 || rt != t || rc != cols) goto decline;
     /* The weight: the last call's (identity and pointer) or one in the trust table. */
@@ -169,8 +163,8 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (g == NULL) goto decline;
     int grad = (g == Py_True);
     Py_DECREF(g);
-    if (grad && (is_true_attr(x, s_requires_grad) != 0 || is_true_attr(res, s_requires_grad) != 0 ||
-                 is_true_attr(w, s_requires_grad) != 0))
+    if (grad && (attr_is(x, s_requires_grad, Py_True) != 0 || attr_is(res, s_requires_grad, Py_True) != 0 ||
+                 attr_is(w, s_requires_grad, Py_True) != 0))
         goto decline;
     if (out != Py_None) {
         /* A trusted out for t tokens: each destination kept its pointer and meets no input. */

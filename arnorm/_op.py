@@ -235,9 +235,6 @@ class AllReduceNorm:
         # The call's token: list.pop is atomic, so two threads can never both hold it (a
         # non-blocking Lock.acquire is too, at twice the cost per call).
         self._token = [None]
-        self._consts = (
-            self._hidden, self._row_bytes, self._dtype, self._on_cpu, self._index, self._max_tokens
-        )  # fmt: skip
         self._out_spans = self._out_trust.table
         self._check_calls = bool(config.check_calls)
         self._seq = 0
@@ -245,11 +242,13 @@ class AllReduceNorm:
         self._grad_enabled = torch.is_grad_enabled
         # The C helper's copy of the test, where a backend has a fast path for it to call.
         self._accept: Any = None
+        # Its first six fields are also the Python call's constants (one tuple unpacked per call).
         self._accel_state = (
             self._hidden, self._row_bytes, self._dtype, self._on_cpu, self._index, self._max_tokens,
             self._scaled, self._add_residual, self._token, self._fast_table, self._trusted_weights,
             self._trusted_scales, self._out_spans, self._grad_enabled,
         )  # fmt: skip
+        self._consts = self._accel_state[:6]
         if config.accelerate and not self._check_calls and any(f is not None for f in self._fast_table):
             from arnorm._accel import accelerator
 
