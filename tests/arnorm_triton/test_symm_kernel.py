@@ -21,6 +21,7 @@ from triton_cases import (
 
 from arnorm.plugin import add_rmsnorm, rank_order_sum
 from arnorm_triton._symm_emulation import emulate_call
+from arnorm_triton._symm_workspace import SENTINEL_BYTE
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +189,7 @@ def test_push_sentinel_values_nan_and_negative_zero(dtype):
         assert bool(torch.signbit(out.residual[2]).all())
     lay = wss[0].layout
     for ws in wss:  # every slot read is the sentinel again
-        assert bool((ws.buffer[lay.push_off :] == 255).all())
+        assert bool((ws.buffer[lay.push_off :] == SENTINEL_BYTE).all())
 
 
 def test_push_slots_alternate_over_calls():
@@ -207,7 +208,7 @@ def test_push_slots_alternate_over_calls():
         problem = make_problem(H, torch.bfloat16, world_size=2, device=DEVICE)
         outs, wss = emulate_call(parts, res, w, None, workspaces=wss, **KINDS[kind])
         _check_all_ranks(outs, parts, res, w, problem, None)
-        assert all(bool((ws.buffer[lay.push_off :] == 255).all()) for ws in wss)
+        assert all(bool((ws.buffer[lay.push_off :] == SENTINEL_BYTE).all()) for ws in wss)
     counts, last_flag = [0] * 4, [0] * 4
     for t, kind in calls:
         for b in range(min(t, 4)):

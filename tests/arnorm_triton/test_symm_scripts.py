@@ -72,6 +72,7 @@ def test_self_push_runs_the_protocol(quant, world):
     from triton_cases import check_output, make_problem, make_scale
 
     from arnorm.plugin import add_rmsnorm, rank_order_sum
+    from arnorm_triton._symm_workspace import SENTINEL_BYTE
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -93,4 +94,4 @@ def test_self_push_runs_the_protocol(quant, world):
         out = backend(x.clone(), res, w, scale)
         backend.check()
         check_output(out, s, res, w, problem, scale)
-    assert bool((ws.buffer[ws.layout.push_off :] == 255).all())
+    assert bool((ws.buffer[ws.layout.push_off :] == SENTINEL_BYTE).all())
