@@ -179,11 +179,12 @@ def rank_cases(
     failures = []
     for i, (quant, layout, dtype, offset, tokens, hidden, inplace) in enumerate(cases):
         try:
+            # On the device: an NCCL group reduces device tensors only.
             partials, residual, weight = make_inputs(
-                tokens, hidden, dtype, world=world, weight_offset=offset, seed=i
+                tokens, hidden, dtype, world=world, weight_offset=offset, seed=i, device=dev
             )
             problem = make_problem(hidden, dtype, quant, layout, weight_offset=offset, world_size=world,
-                                   inplace=inplace)  # fmt: skip
+                                   inplace=inplace, device=dev, max_tokens=max(64, tokens))  # fmt: skip
             if exact:
                 s = rank_order_sum(list(partials))
             else:
@@ -202,7 +203,8 @@ def rank_cases(
                     assert op.backend == "triton"
                     out = op(x, residual, weight, scale)
             else:
-                backend = make_backend(problem, Comm(dist.group.WORLD, dev), exact=exact)
+                # resolve: an NCCL group gets its gloo twin for the agreement, as an op's does.
+                backend = make_backend(problem, Comm.resolve(dist.group.WORLD, dev), exact=exact)
                 assert backend.exact == exact
                 out = backend(x, residual, weight, scale)
                 backend.close()
