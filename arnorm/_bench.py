@@ -11,11 +11,11 @@ For one problem (TP size, hidden size, dtype, quant format) it times, per token 
 
 Ranks are spawned with :func:`arnorm.testing.run_ranks` (gloo on CPU, NCCL when at least ``--tp``
 GPUs exist); under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the
-bench runs in-process on every rank and rank 0 prints. Every iteration restores the partial,
-synchronizes the device, waits on a barrier, then times one call: CUDA events on a GPU,
-``time.perf_counter`` on CPU. A sample is the slowest rank's time for that iteration; the table
-shows the median and p10-p90 in microseconds, the speed-up over the baseline, and the backend auto
-mode picks for each token count (``op.backend_for(T)`` of one auto-mode op).
+bench runs in-process on every rank and rank 0 prints. On GPUs a sample is a CUDA-graph replay of
+20 calls, per call (:mod:`arnorm._bench_timing` says why and how); on CPU, or with ``--eager``, one
+call timed alone after a barrier. A sample is the slowest rank's time; the table shows the median
+and p10-p90 in microseconds, the speed-up over the baseline, and the backend auto mode picks for
+each token count (``op.backend_for(T)`` of one auto-mode op).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -189,44 +188,13 @@ def _unfused(
     return h, y, quantize_output(y, quant, scale, layout)
 
 
-def _time(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    source: torch.Tensor,
-    opts: dict[str, Any],
-    sync: Callable[[], None],
-) -> list[float]:
-    """Microseconds per call of ``fn(*args)``; first ``args[0]`` (the partial) is restored from
-    ``source``, then ``sync()`` waits for the device and every rank."""
-    import torch
-
-    samples: list[float] = []
-    warmup, cuda = opts["warmup"], opts["cuda"]
-    for i in range(warmup + opts["iters"]):
-        args[0].copy_(source)
-        sync()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            end.record()
-            end.synchronize()
-            us = start.elapsed_time(end) * 1e3
-        else:
-            t0 = time.perf_counter()
-            fn(*args)
-            us = (time.perf_counter() - t0) * 1e6
-        if i >= warmup:
-            samples.append(us)
-    return samples
-
-
 def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     """One rank: the auto-mode picks, then the baseline and every backend over the token sweep."""
     import torch
     import torch.distributed as dist
 
     import arnorm
+    from arnorm._bench_timing import time_eager, time_graph
     from arnorm.quant import default_layout
 
     cuda: bool = opts["cuda"]
@@ -245,11 +213,28 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     weight = (torch.randn(hidden, generator=g) * 0.1).to(dtype).to(device)
     scale = torch.tensor([SCALES[quant]], device=device) if quant in SCALES else None
     cpu_group = None if str(dist.get_backend()) == "gloo" else dist.new_group(backend="gloo")
+    graphs = cuda and not opts["eager"]
 
     def barrier() -> None:
         if cuda:
             torch.cuda.synchronize()
         dist.barrier(group=cpu_group)
+
+    def agree(ok: bool) -> bool:
+        flags: list[Any] = [None] * world
+        dist.all_gather_object(flags, ok, group=cpu_group)
+        return all(flags)
+
+    def timed(fn: Callable[..., Any], t: int, entry: dict[str, Any]) -> list[float]:
+        args = (torch.empty_like(partial[:t]), residual[:t], weight, scale)
+        warmup, iters = opts["warmup"], opts["iters"]
+        if graphs:
+            got = time_graph(fn, args, partial[:t], warmup, iters, barrier, agree)
+            if not isinstance(got, str):
+                entry["restore_us"] = got[1]
+                return got[0]
+            entry["note"] = f"{got}: timed one call at a time"
+        return time_eager(fn, args, partial[:t], warmup, iters, cuda, barrier)
 
     auto: dict[str, str] = {}
     auto_error: list[str] = []
@@ -278,8 +263,7 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             if served is not None and served.token_backend is None:
                 entry["error"] = "; ".join(r for _, rs in served.token_reasons for r in rs)
             else:
-                args = (torch.empty_like(partial[:t]), residual[:t], weight, scale)
-                entry["samples_us"] = _time(fn, args, partial[:t], opts, barrier)
+                entry["samples_us"] = timed(fn, t, entry)
             results.append(entry)
 
     sweep(BASELINE, baseline, None)
@@ -308,6 +292,10 @@ def combine(
         per = [r["results"][i]["samples_us"] for r in per_rank]
         samples = [max(v) for v in zip(*per, strict=True)]
         row = {"backend": entry["backend"], "tokens": entry["tokens"], "error": entry["error"]}
+        notes = {r["results"][i].get("note") for r in per_rank} - {None}
+        row["note"] = "; ".join(sorted(notes)) or None
+        if "restore_us" in entry:
+            row["rank_restore_us"] = [r["results"][i].get("restore_us") for r in per_rank]
         for key, q in (("median_us", 50), ("p10_us", 10), ("p90_us", 90)):
             row[key] = percentile(samples, q) if samples else None
         row.update(samples_us=samples, rank_samples_us=per)
@@ -328,13 +316,25 @@ def _fmt(us: float) -> str:
     return f"{us:.0f}" if us >= 100 else f"{us:.1f}" if us >= 10 else f"{us:.2f}"
 
 
+def _samples_text(report: dict[str, Any]) -> str:
+    from arnorm._bench_timing import GRAPH_CALLS
+
+    n, warm = report["iters"], report["warmup"]
+    if report.get("timing") == "CUDA graphs":
+        return (
+            f"{n} samples per point, each a CUDA-graph replay of {GRAPH_CALLS} calls per call (the partial's "
+            f"restore copy subtracted), after {warm} warm-up calls"
+        )
+    return f"{n} timed + {warm} warm-up calls per point, one at a time ({report.get('timing', '?')})"
+
+
 def render_table(report: dict[str, Any]) -> str:
     """The report as a markdown table, one row per (token count, backend), plus what was not timed."""
     head = (
         f"arnorm bench: tp={report['tp']} hidden={report['hidden']} {report['dtype']} "
         f"quant={report['quant'] or 'none'} on {report['device']} ({report['comm']}, {report['launcher']}); "
-        f"{report['iters']} timed + {report['warmup']} warm-up calls per point\n"
-        f"latency per call in us: median and p10-p90 over iterations, each the slowest rank's time"
+        f"{_samples_text(report)}\n"
+        f"latency per call in us: median and p10-p90 over samples, each the slowest rank's time"
     )
     rows = [("tokens", "backend", "median us", "p10-p90 us", "vs baseline", "auto")]
     order = [BASELINE, *report["backends"]]
@@ -360,6 +360,7 @@ def render_table(report: dict[str, Any]) -> str:
         f"T={t}: {n}" + ("" if n in timed or n == "-" else " (not timed)") for t, n in report["auto"].items()
     )
     lines.append("")
+    lines.extend(f"T={r['tokens']} {r['backend']}: {r['note']}" for r in report["results"] if r.get("note"))
     lines.append(f"auto mode picks: {picks or 'nothing'}")
     lines.extend(f"auto mode: {r}" for r in report["auto_error"])
     for name, why in report["rejected"].items():
@@ -487,15 +488,16 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "quant": quant,
         "tokens": tokens,
-        "iters": args.iters or (200 if cuda else 20),
+        "iters": args.iters or (200 if cuda and args.eager else 20),
         "warmup": args.warmup if args.warmup is not None else (20 if cuda else 3),
+        "eager": bool(args.eager),
         "requested": names,
         "backends": backends,
         "cuda": cuda,
         "device": "cuda" if cuda else "cpu",
         "comm": comm,
         "launcher": "torchrun" if torchrun else "spawned ranks",
-        "timing": "CUDA events" if cuda else "time.perf_counter",
+        "timing": "time.perf_counter" if not cuda else "CUDA events" if args.eager else "CUDA graphs",
     }
     if torchrun:
         rank, per_rank = _in_process(opts)

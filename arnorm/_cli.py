@@ -411,7 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--iters",
         type=positive_int,
         default=None,
-        help="timed calls per point (default 20 on CPU, 200 on GPU)",
+        help="samples per point: calls on CPU or with --eager (default 20; --eager on GPU: 200), "
+        "else replays of a 20-call CUDA graph (default 20)",
+    )
+    bench.add_argument(
+        "--eager",
+        action="store_true",
+        help="GPU: time one call at a time after a barrier (host launch and rank skew included) "
+        "instead of CUDA-graph replay",
     )
     bench.add_argument(
         "--warmup",

@@ -229,3 +229,36 @@ def test_runs_in_process_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("arnorm bench: tp=2 hidden=64") == 1
     assert re.search(r"^\|\s+1 \| reference ", proc.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_notes_are_printed_under_the_table(bench_run):
+    """A point timed another way than the rest (a capture that failed) says so under the table."""
+    _, _, js, _ = bench_run
+    report = json.loads(js.read_text())
+    report["results"][0]["note"] = "CUDA-graph capture failed (RuntimeError: x): timed one call at a time"
+    r = report["results"][0]
+    lines = _bench.render_table(report).splitlines()
+    assert f"T={r['tokens']} {r['backend']}: {r['note']}" in lines
+    assert "one at a time (time.perf_counter)" in lines[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_gpu_points_are_timed_by_graph_replay(tmp_path, eager):
+    """On a GPU every point is a CUDA-graph replay (restore copy measured and subtracted), unless --eager."""
+    js = tmp_path / "bench.json"
+    argv = ["bench", "--tp", "1", "--device", "cuda", "--tokens", "1,64", "--iters", "4", "--warmup", "1"]
+    argv += ["--backends", "triton", "--json", str(js), *(["--eager"] if eager else [])]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(argv) == 0, buf.getvalue()
+    report = json.loads(js.read_text())
+    assert report["timing"] == ("CUDA events" if eager else "CUDA graphs")
+    assert {(r["backend"], r["tokens"]) for r in report["results"]} == {
+        (b, t) for b in ("baseline", "triton") for t in (1, 64)
+    }
+    for r in report["results"]:
+        assert len(r["samples_us"]) == 4 and r["note"] is None, r
+        assert ("rank_restore_us" in r) == (not eager)
+        assert all(us > 0 for us in r["samples_us"]) and all(us > 0 for us in r.get("rank_restore_us", [1]))
