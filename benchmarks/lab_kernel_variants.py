@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warps", default="", help="comma-separated warp counts (default: the launch table's)")
     p.add_argument("--flashinfer", action="store_true", help="FlashInfer rows for the cells it serves")
+    p.add_argument("--out", action="store_true", help="also time each variant with out= (caller's buffers)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no claims")
     args = p.parse_args()
     if args.smoke:
@@ -137,10 +138,17 @@ def main() -> None:
                     op, x = ops[(name, c)]
                     us = dev.graph_us(lambda op=op, x=x, inp=inp: op(x, inp.r, inp.w, inp.scale), 20, 9)
                     times.setdefault((name, c), []).append(us)
+                    if args.out:  # the caller's buffers, reused by every call (as FlashInfer's in place)
+                        o = op.empty_output(c[3], inp.scale)
+                        us = dev.graph_us(
+                            lambda op=op, x=x, inp=inp, o=o: op(x, inp.r, inp.w, inp.scale, out=o), 20, 9
+                        )
+                        times.setdefault((name + " out=", c), []).append(us)
                 fc = fi_call(fi, inp, c[2]) if fi is not None else None
                 if fc is not None:
                     times.setdefault(("flashinfer", c), []).append(dev.graph_us(fc, 20, 9))
-    names = list(variants) + (["flashinfer"] if fi is not None else [])
+    names = [n for v in variants for n in ([v, v + " out="] if args.out else [v])]
+    names += ["flashinfer"] if fi is not None else []
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; us per call (median over rounds); (fraction of copy bw)")
     print("| H | format | normed | T | " + " | ".join(names) + " |")
     print("|---:|---|---|---:|" + "---:|" * len(names))
