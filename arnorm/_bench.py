@@ -322,8 +322,8 @@ def _samples_text(report: dict[str, Any]) -> str:
     n, warm = report["iters"], report["warmup"]
     if report.get("timing") == "CUDA graphs":
         return (
-            f"{n} samples per point, each a CUDA-graph replay of {GRAPH_CALLS} calls per call (the partial's "
-            f"restore copy subtracted), after {warm} warm-up calls"
+            f"{n} samples per point, each the time per call of a CUDA-graph replay of {GRAPH_CALLS} calls "
+            f"(the partial's restore copy subtracted), after {warm} warm-up calls"
         )
     return f"{n} timed + {warm} warm-up calls per point, one at a time ({report.get('timing', '?')})"
 

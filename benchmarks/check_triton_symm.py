@@ -246,7 +246,10 @@ def smoke() -> int:
     except Exception as exc:
         lines, ok = [f"FAILED: {type(exc).__name__}: {str(exc)[-3000:]}"], False
     lines.append(f"\nsmoke {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
-    _append("Smoke test (2 ranks, one GPU)", ["```", *lines, "```"], {"ok": ok, "lines": lines})
+    import torch
+
+    where = "one GPU each" if torch.cuda.device_count() >= 2 else "sharing one GPU"
+    _append(f"Smoke test (2 ranks, {where})", ["```", *lines, "```"], {"ok": ok, "lines": lines})
     return 0 if ok else 1
 
 
