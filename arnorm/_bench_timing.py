@@ -95,8 +95,11 @@ def time_graph(
     import torch
 
     cuda = torch.cuda
-    graph, copies, why = cuda.CUDAGraph(), cuda.CUDAGraph(), ""
+    graph: Any = None
+    copies: Any = None
+    why = ""
     try:
+        graph, copies = cuda.CUDAGraph(), cuda.CUDAGraph()
         side = cuda.Stream()
         side.wait_stream(cuda.current_stream())
         with cuda.stream(side):

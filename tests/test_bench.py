@@ -1,4 +1,4 @@
-"""`arnorm bench`: the table, the raw JSON, the plot, and backends that cannot be timed."""
+"""`arnorm bench`: the table, the raw JSON, the plot, backends that cannot be timed, and GPU graph timing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import arnorm
-from arnorm import _bench
+from arnorm import _bench, _bench_report
 from arnorm._cli import main
 from arnorm._discovery import Registry, reset_registry
 from arnorm._spec import BackendSpec, priority_order
@@ -82,7 +82,7 @@ def test_json_holds_every_sample(bench_run):
     for r in points.values():
         assert len(r["samples_us"]) == 3 and len(r["rank_samples_us"]) == 2
         assert r["samples_us"] == [max(v) for v in zip(*r["rank_samples_us"], strict=True)]
-        assert r["median_us"] == _bench.percentile(r["samples_us"], 50) > 0
+        assert r["median_us"] == _bench_report.percentile(r["samples_us"], 50) > 0
     assert points[("baseline", 1)]["speedup"] == 1.0
     assert set(report["auto"]) == {"1", "8"}
 
@@ -106,7 +106,7 @@ def test_plot_marks_the_backend_auto_mode_picks(bench_run):
     timed = _names()
     # Which backend auto mode picks here depends on what is installed: pin it to timed ones.
     report["auto"] = {str(t): timed[i % len(timed)] for i, t in enumerate(TOKENS)}
-    ax = _bench.plot_figure(report).axes[0]
+    ax = _bench_report.plot_figure(report).axes[0]
     (ring,) = [line for line in ax.get_lines() if line.get_gid() == "auto"]
     picks = {
         (r["tokens"], r["median_us"])
@@ -117,7 +117,7 @@ def test_plot_marks_the_backend_auto_mode_picks(bench_run):
     assert "auto mode's pick" in [t.get_text() for t in ax.get_legend().get_texts()]
     assert "smoke test" in ax.get_title()
     report["auto"] = {str(t): "not_timed_here" for t in TOKENS}  # a pick without a latency: no ring
-    assert not [line for line in _bench.plot_figure(report).axes[0].get_lines() if line.get_gid() == "auto"]
+    assert not [line for line in _bench_report.plot_figure(report).axes[0].get_lines() if line.get_gid() == "auto"]
 
 
 @pytest.mark.slow
@@ -126,7 +126,7 @@ def test_table_marks_auto_picks_and_says_when_one_was_not_timed(bench_run):
     _, _, js, _ = bench_run
     report = json.loads(js.read_text())
     report["auto"] = {"1": "reference", "8": "elsewhere"}
-    table = _bench.render_table(report)
+    table = _bench_report.render_table(report)
     assert re.search(r"^\|\s+1 \| reference\s+\|.*\| <- auto \|$", table, re.M), table
     assert not re.search(r"^\|\s+8 \|.*<- auto", table, re.M), table
     assert "auto mode picks: T=1: reference, T=8: elsewhere (not timed)" in table.splitlines()
@@ -136,7 +136,7 @@ def test_table_marks_auto_picks_and_says_when_one_was_not_timed(bench_run):
 def test_cpu_table_says_it_is_a_smoke_test(bench_run):
     """A CPU run says under its table that its numbers say nothing about GPU backends."""
     _, out, _, _ = bench_run
-    assert _bench.SMOKE_TEST in out.splitlines()
+    assert _bench_report.SMOKE_TEST in out.splitlines()
 
 
 @pytest.mark.slow
@@ -238,7 +238,7 @@ def test_notes_are_printed_under_the_table(bench_run):
     report = json.loads(js.read_text())
     report["results"][0]["note"] = "CUDA-graph capture failed (RuntimeError: x): timed one call at a time"
     r = report["results"][0]
-    lines = _bench.render_table(report).splitlines()
+    lines = _bench_report.render_table(report).splitlines()
     assert f"T={r['tokens']} {r['backend']}: {r['note']}" in lines
     assert "one at a time (time.perf_counter)" in lines[0]
 
