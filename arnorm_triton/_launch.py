@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from arnorm_triton import _kernels as K
 from arnorm_triton._direct import HOOK_CHAIN, RUNTIME, Bound, bound_launchers
-from arnorm_triton._launch_table import launch_config
+from arnorm_triton._launch_table import launch_config, two_pass_scales
 from arnorm_triton._plugin import MAX_HIDDEN
 
 if TYPE_CHECKING:
@@ -32,9 +32,14 @@ _log = logging.getLogger("arnorm.triton")
 
 
 class LaunchConfig(NamedTuple):
-    """How one launch is shaped; chosen per (H, T) by :func:`arnorm_triton._launch_table.launch_config`."""
+    """How one launch is shaped; chosen per (H, T) by :mod:`arnorm_triton._launch_table`.
+
+    ``two_pass``: swizzled block scales written linearly by the fused kernel into a scratch
+    buffer of the call, then swizzled by :func:`~arnorm_triton._kernels.swizzle_block_scales_kernel`
+    (the same bytes; whole-sector stores at large T)."""
 
     num_warps: int
+    two_pass: bool = False
 
 
 class FusedLauncher:
@@ -65,6 +70,7 @@ class FusedLauncher:
         pdl: bool = False,
         arch: tuple[int, int] | None = None,
         num_warps: int | None = None,
+        two_pass: bool | None = None,
     ) -> None:
         if hidden > MAX_HIDDEN:
             msg = f"hidden size: {hidden} (needs <= {MAX_HIDDEN})"
@@ -76,6 +82,8 @@ class FusedLauncher:
         self.arch = arch
         self.swizzled = layout == "swizzled_128x4" and quant in ("nvfp4", "mxfp8")
         self.fixed_warps = num_warps
+        #: Two-pass scale stores forced on or off (labs, tests); None: the table's rule.
+        self.fixed_two_pass = two_pass
         self.eps = float(eps)
         self.weight_offset = float(weight_offset)
         self.constexprs: dict[str, Any] = {
@@ -94,7 +102,8 @@ class FusedLauncher:
             "HAS_RESIDUAL": add_residual,
         }
         names = K.fused_add_rmsnorm_quant_kernel.arg_names
-        consts = tuple(self.constexprs[n] for n in names[names.index("HIDDEN") :])
+        self._const_names = names[names.index("HIDDEN") :]
+        consts = tuple(self.constexprs[n] for n in self._const_names)
         #: Every argument after the strides, in signature order, for the direct launch.
         self._tail = (self.eps, self.weight_offset, *consts)
         # Triton specializes integer arguments divisible by 16: strides must keep that property.
@@ -108,11 +117,11 @@ class FusedLauncher:
 
     def config(self, n_rows: int) -> LaunchConfig:
         """The launch configuration for ``n_rows`` rows (a pure function of the op and ``n_rows``)."""
-        if self.fixed_warps is not None:
-            return LaunchConfig(self.fixed_warps)
         c = self.constexprs
-        warps = launch_config(self.arch, c["BLOCK"], c["QUANT"], c["WRITE_NORMED"], self.itemsize, n_rows)
-        return LaunchConfig(warps)
+        key = (self.arch, c["BLOCK"], c["QUANT"], c["WRITE_NORMED"], self.itemsize, n_rows)
+        warps = launch_config(*key) if self.fixed_warps is None else self.fixed_warps
+        two = two_pass_scales(*key) if self.fixed_two_pass is None else self.fixed_two_pass
+        return LaunchConfig(warps, self.swizzled and two)
 
     def configs(self, max_rows: int) -> list[LaunchConfig]:
         """Every distinct configuration used for 1 to ``max_rows`` rows."""
@@ -121,9 +130,11 @@ class FusedLauncher:
             seen.setdefault(self.config(t))
         return list(seen)
 
-    def grid_rows(self, n_rows: int) -> int:
-        """Programs to launch: T, plus one per 32 padding rows when swizzled scales need them."""
-        return n_rows + K.padding_programs(n_rows) if self.swizzled else n_rows
+    def grid_rows(self, n_rows: int, cfg: LaunchConfig | None = None) -> int:
+        """Programs to launch: T, plus one per 32 padding rows when the fused kernel writes swizzled
+        scales itself (not in a two-pass launch, whose second kernel writes the padding)."""
+        two_pass = (cfg or self.config(n_rows)).two_pass
+        return n_rows + K.padding_programs(n_rows) if self.swizzled and not two_pass else n_rows
 
     @property
     def pdl(self) -> bool:
@@ -216,8 +227,9 @@ class FusedLauncher:
         """``(run, grid, function, mid, get_stream, device_index)`` for ``n_rows``: the bound
         launcher (``run`` None when there is none) flattened with the grid and the stream's source;
         cached per token count once launchers are bound."""
-        bound = self._bound.get(self.config(n_rows))
-        grid = self.grid_rows(n_rows)
+        cfg = self.config(n_rows)
+        bound = self._bound.get(cfg)
+        grid = self.grid_rows(n_rows, cfg)
         if bound is None:
             entry: tuple[Any, ...] = (None, grid, None, (), None, 0)
         else:
@@ -236,16 +248,68 @@ class FusedLauncher:
             if ptrs[i].element_size() == 1 and ptrs[i].dtype is not torch.uint8:
                 ptrs[i] = ptrs[i].view(torch.uint8)
         extra = {"launch_pdl": True} if self.pdl else {}
-        return K.fused_add_rmsnorm_quant_kernel[(self.grid_rows(n_rows),)](
+        if cfg.two_pass:
+            return self._two_pass(cfg, ptrs, n_rows, strides, extra)
+        return K.fused_add_rmsnorm_quant_kernel[(self.grid_rows(n_rows, cfg),)](
             *ptrs, n_rows, *strides, self.eps, self.weight_offset, num_warps=cfg.num_warps,
             **extra, **self.constexprs,
         )  # fmt: skip
 
-    def _direct(self, bound: Bound, ptrs: tuple[int, ...], n_rows: int, *strides: int) -> None:
+    def _two_pass(self, cfg: LaunchConfig, ptrs: list[Any], n_rows: int, strides: Sequence[int],
+                  extra: dict[str, Any]) -> Any:  # fmt: skip
+        """The fused kernel writing linear scales into a scratch buffer of this call (allocated per
+        call: no state shared between calls, whatever their streams), then the swizzle kernel."""
+        import torch
+
+        c = self.constexprs
+        k = self.hidden // c["GROUP"]
+        sf = ptrs[7]
+        scratch = torch.empty(n_rows * k, dtype=torch.uint8, device=sf.device)
+        compiled = K.fused_add_rmsnorm_quant_kernel[(n_rows,)](
+            *ptrs[:7], scratch, n_rows, *strides, self.eps, self.weight_offset, num_warps=cfg.num_warps,
+            **extra, **(c | {"SWIZZLED": False}),
+        )  # fmt: skip
+        kc = K.swizzle_chunk(k)
+        kp = (k + 3) // 4 * 4
+        swizzle = K.swizzle_block_scales_kernel[((n_rows + 127) // 128, (kp + kc - 1) // kc)](
+            scratch, sf, n_rows, K=k, KP=kp, KC=kc, USE_PDL=c["USE_PDL"], num_warps=4, **extra
+        )
+        return compiled, swizzle
+
+    def _two_pass_bound(self, fused: Bound, swizzle: Bound, device: Any) -> Bound:
+        """A :class:`Bound` whose ``run`` takes the fused kernel's direct-launch arguments and makes
+        both launches: the fused kernel into a scratch buffer of the call (``sf``'s pointer swapped
+        for it), then the swizzle kernel into ``sf``. The scratch is freed on return: the caching
+        allocator hands it out again only in stream order, after both kernels read it."""
+        import torch
+
+        k = self.hidden // self.constexprs["GROUP"]
+        kp, kc, pdl = (k + 3) // 4 * 4, K.swizzle_chunk(k), self.constexprs["USE_PDL"]
+        chunks = (kp + kc - 1) // kc
+        # Among the fused run's arguments after `function`: sf's pointer, and the SWIZZLED
+        # constexpr (after 8 pointers, n_rows, 3 strides, eps and weight_offset), which the
+        # bound variant was compiled False for (the launcher passes constexprs along as given).
+        at = len(fused.mid) + 7
+        swz = at + 7 + self._const_names.index("SWIZZLED")
+        f_run, s_run, s_fn, s_mid = fused.run, swizzle.run, swizzle.function, swizzle.mid
+        empty, u8 = torch.empty, torch.uint8
+
+        def run(gx: int, gy: int, gz: int, stream: int, function: Any, *rest: Any) -> None:
+            n_rows = rest[at + 1]
+            scratch = empty(n_rows * k, dtype=u8, device=device)
+            sp, sfp = scratch.data_ptr(), rest[at]
+            f_run(gx, gy, gz, stream, function, *rest[:at], sp, *rest[at + 1 : swz], False, *rest[swz + 1 :])
+            s_run((n_rows + 127) // 128, chunks, 1, stream, s_fn, *s_mid, sp, sfp, n_rows, k, kp, kc, pdl)
+
+        return Bound(run, fused.function, fused.mid)
+
+    def _direct(
+        self, bound: Bound, cfg: LaunchConfig, ptrs: tuple[int, ...], n_rows: int, *strides: int
+    ) -> None:
         assert self._get_stream is not None
         args = (*ptrs, n_rows, *strides, *self._tail)
         stream = self._get_stream(self._device_index)
-        bound.run(self.grid_rows(n_rows), 1, 1, stream, bound.function, *bound.mid, *args)
+        bound.run(self.grid_rows(n_rows, cfg), 1, 1, stream, bound.function, *bound.mid, *args)
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -270,11 +334,19 @@ class FusedLauncher:
             ptrs = tuple((tensors[4] if t is None else t).data_ptr() for t in tensors)
             for cfg in configs:
                 compiled = self._ordinary(cfg, tensors, n_rows, *strides)
+                if cfg.two_pass:
+                    candidates = [
+                        self._two_pass_bound(f, s, dev)
+                        for f in bound_launchers(compiled[0])
+                        for s in bound_launchers(compiled[1])
+                    ]
+                else:
+                    candidates = bound_launchers(compiled)
                 first = [o.clone() for o in outputs]
-                for bound in bound_launchers(compiled):
+                for bound in candidates:
                     for o in outputs:
                         o.zero_()
-                    self._direct(bound, ptrs, n_rows, *strides)
+                    self._direct(bound, cfg, ptrs, n_rows, *strides)
                     torch.cuda.synchronize(dev)
                     pairs = zip(first, outputs, strict=True)
                     if all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs):

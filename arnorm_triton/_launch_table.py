@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from arnorm_triton._launch_measured import MEASURED
 
-__all__ = ["TABLE", "TableKey", "default_num_warps", "launch_config"]
+__all__ = ["TABLE", "TWO_PASS_FROM", "TableKey", "default_num_warps", "launch_config", "two_pass_scales"]
 
 #: ``(cuda major, BLOCK, QUANT code, WRITE_NORMED, itemsize)``; QUANT codes are
 #: :data:`arnorm_triton._kernels.QUANT_CODES` (0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4,
@@ -48,3 +48,25 @@ def launch_config(
             if n_rows <= t_max:
                 return warps
     return default_num_warps(block)
+
+
+#: ``key -> T``: from ``T`` rows up, swizzled block scales are stored in two passes (the fused
+#: kernel writes them linearly, a second kernel swizzles whole tiles; the same bytes). A row's
+#: scales are 4 bytes of every 512-byte tile of the 128x4 layout, so one pass writes them as
+#: partial sectors (128 per row at H 8192), which costs 7-9% of nvfp4's bandwidth at T 8192
+#: (kernel-variants run 17); the second pass costs a launch, so small T keeps one pass.
+#: Measured on the H200 (kernel-variants run 18, 2026-12-04): nvfp4 at H 4096 / 8192, with and
+#: without the normed output, is as fast or faster in two passes from T 4096 (0.2-3.6%), 2-5%
+#: faster at T 8192, and 0.6-1.1 us slower at T 1024. mxfp8 (one scale per 32 elements, half of
+#: nvfp4's scale bytes) gains nothing: not listed.
+TWO_PASS_FROM: dict[TableKey, int] = {
+    (9, block, 3, normed, 2): 4096 for block in (4096, 8192) for normed in (False, True)
+}
+
+
+def two_pass_scales(
+    arch: tuple[int, int] | None, block: int, quant: int, normed: bool, itemsize: int, n_rows: int
+) -> bool:
+    """Whether a launch of ``n_rows`` rows stores its swizzled block scales in two passes."""
+    t_min = TWO_PASS_FROM.get((arch[0], block, quant, normed, itemsize)) if arch is not None else None
+    return t_min is not None and n_rows >= t_min

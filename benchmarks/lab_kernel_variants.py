@@ -47,6 +47,13 @@ CELLS = {
         (8192, "nvfp4", True, 8192),
     ],
     "nvfp4": [(h, "nvfp4", n, t) for h in (4096, 8192) for n in (False, True) for t in (1, 128, 8192)],
+    "twopass": [
+        (h, f, n, t)
+        for f in ("nvfp4", "mxfp8")
+        for h in (4096, 8192)
+        for n in (False, True)
+        for t in (1024, 4096, 8192)
+    ],
     "smoke": [(64, "fp8_static", False, 3), (64, "nvfp4", True, 5)],
 }
 
@@ -80,6 +87,9 @@ def main() -> None:
     p.add_argument("--warps", default="", help="comma-separated warp counts (default: the launch table's)")
     p.add_argument("--flashinfer", action="store_true", help="FlashInfer rows for the cells it serves")
     p.add_argument("--out", action="store_true", help="also time each variant with out= (caller's buffers)")
+    p.add_argument(
+        "--two-pass", action="store_true", help="also time each variant's swizzled-scale cells in two passes"
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no claims")
     args = p.parse_args()
     if args.smoke:
@@ -138,6 +148,22 @@ def main() -> None:
                     op, x = ops[(name, c)]
                     us = dev.graph_us(lambda op=op, x=x, inp=inp: op(x, inp.r, inp.w, inp.scale), 20, 9)
                     times.setdefault((name, c), []).append(us)
+                    if args.two_pass and c[1] in ("nvfp4", "mxfp8"):  # the same op, both store modes
+                        launcher = op._table[c[3]].launcher
+                        for two, label in ((True, " 2pass"), (None, "")):
+                            launcher.fixed_two_pass = two
+                            launcher.unbind()
+                            if two:  # checked on fresh inputs against the first variant's outputs
+                                got = outputs(op(inp.x.clone(), inp.r, inp.w, inp.scale))
+                                exact[(name + label, c)] = all(
+                                    (a is None and b is None)
+                                    or (a is not None and b is not None and torch.equal(a, b))
+                                    for a, b in zip(reference[c], got, strict=True)
+                                )
+                                us = dev.graph_us(
+                                    lambda op=op, x=x, inp=inp: op(x, inp.r, inp.w, inp.scale), 20, 9
+                                )
+                                times.setdefault((name + label, c), []).append(us)
                     if args.out:  # the caller's buffers, reused by every call (as FlashInfer's in place)
                         o = op.empty_output(c[3], inp.scale)
                         us = dev.graph_us(
@@ -147,7 +173,11 @@ def main() -> None:
                 fc = fi_call(fi, inp, c[2]) if fi is not None else None
                 if fc is not None:
                     times.setdefault(("flashinfer", c), []).append(dev.graph_us(fc, 20, 9))
-    names = [n for v in variants for n in ([v, v + " out="] if args.out else [v])]
+    names = [
+        n
+        for v in variants
+        for n in [v, *([v + " 2pass"] if args.two_pass else []), *([v + " out="] if args.out else [])]
+    ]
     names += ["flashinfer"] if fi is not None else []
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; us per call (median over rounds); (fraction of copy bw)")
     print("| H | format | normed | T | " + " | ".join(names) + " |")

@@ -91,6 +91,38 @@ def test_swizzled_padding_is_written():
     check_output(out, partials[0], residual, weight, problem, scale)
 
 
+@pytest.mark.parametrize("normed", [True, False], ids=["normed", "unnormed"])
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp8"])
+def test_two_pass_scale_store_writes_the_same_bytes(quant, normed):
+    """Swizzled scales stored in two passes (linear, then the swizzle kernel) equal the one-pass
+    store byte for byte, padding rows and columns included (outputs pre-filled with 0x55)."""
+    t, h = (130, 2080) if DEVICE.type == "cuda" else (3, 320)  # K = 130 / 65 columns: padded to 4
+    partials, residual, weight = make_inputs(t, h, torch.bfloat16, device=DEVICE)
+    scale = make_scale(quant, add_rmsnorm(partials[0], residual, weight, 1e-6, 0.0)[1])
+    problem = make_problem(h, torch.bfloat16, quant, "swizzled_128x4", normed_output=normed, max_tokens=256,
+                           device=DEVICE)  # fmt: skip
+    backend = make_backend(problem)
+    alloc = backend._alloc
+
+    def dirty_alloc(t):
+        outs = alloc(t)
+        for o in outs[1:3]:
+            o.view(torch.uint8).fill_(0x55)
+        return outs
+
+    backend._alloc = dirty_alloc
+    got = []
+    for two_pass in (False, True):
+        backend.launcher.fixed_two_pass = two_pass
+        backend.launcher.unbind()
+        assert backend.launcher.config(t).two_pass is two_pass
+        out = backend(partials[0].clone(), residual, weight, scale)
+        outs = (out.residual, out.normed, out.quant.data, out.quant.scale)
+        got.append([o.view(torch.uint8).clone() for o in outs if o is not None])
+    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+    check_output(out, partials[0], residual, weight, problem, scale)
+
+
 @pytest.mark.parametrize("quant", ["nvfp4", "mxfp8"])
 def test_problem_without_a_layout_gets_the_formats_default(quant):
     """A Problem built directly with scale_layout=None (the core always resolves it; a caller driving

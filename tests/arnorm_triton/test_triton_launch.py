@@ -35,7 +35,7 @@ class _FakeCompiled:
         self.function, self.packed_metadata = object(), object()
 
     def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_hook, *args):
-        assert (gy, gz, stream, function, packed) == (1, 1, 0, self.function, self.packed_metadata)
+        assert (gz, stream, function, packed) == (1, 0, self.function, self.packed_metadata)
         assert launch_metadata is None and enter is None and exit_hook is None
         names = self.real.arg_names
         assert len(args) == len(names), "every kernel argument, constexprs included, in signature order"
@@ -48,7 +48,7 @@ class _FakeCompiled:
         kwargs["USE_PDL"] = False  # griddepcontrol is GPU-only; the interpreter runs without it
         if self.corrupt:
             kwargs["eps"] = 0.5  # a launcher that binds arguments wrongly
-        self.real[(gx,)](**kwargs)
+        self.real[(gx, gy)](**kwargs)
 
 
 def _at(address: int, like: torch.Tensor) -> torch.Tensor:
@@ -97,6 +97,9 @@ class _FakeKernel:
 def _setup(monkeypatch, corrupt: bool):
     fake = _FakeKernel(kernels.fused_add_rmsnorm_quant_kernel, corrupt)
     monkeypatch.setattr(kernels, "fused_add_rmsnorm_quant_kernel", fake)
+    swizzle = _FakeKernel(kernels.swizzle_block_scales_kernel, False)
+    monkeypatch.setattr(kernels, "swizzle_block_scales_kernel", swizzle)
+    fake.swizzle = swizzle
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     assert launch_module.K is kernels
     driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda index: 0))
@@ -111,11 +114,11 @@ def _launcher(quant: str | None = None, layout: str | None = None, **kw) -> Fuse
     return FusedLauncher(quant=quant, layout=layout, weight_offset=1.0, soft_fp8=True, **fixed, **kw)
 
 
-def _buffers(t: int, h: int):
+def _buffers(t: int, h: int, quant: str | None = "nvfp4"):
     partials, res, w = make_inputs(t, h, torch.bfloat16)
     x = partials[0]
-    q = torch.empty((t, h // 2), dtype=torch.uint8)
-    sf = torch.empty((128, (h // 16 + 3) // 4 * 4), dtype=torch.uint8)
+    q = torch.empty((t, h // 2 if quant == "nvfp4" else h), dtype=torch.uint8)
+    sf = torch.empty((128, (h // (32 if quant == "mxfp8" else 16) + 3) // 4 * 4), dtype=torch.uint8)
     scale = torch.tensor([100.0])
     return x, res, w, scale, torch.empty_like(x), torch.empty_like(x), q, sf
 
@@ -140,6 +143,31 @@ def test_direct_launch_binds_arguments_like_jit_run(monkeypatch):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     expect_q = quantize(ptrs[5], "nvfp4", scale=ptrs[3], layout="swizzled_128x4")
     assert torch.equal(ptrs[6], expect_q.data) and torch.equal(ptrs[7], expect_q.scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp8"])
+def test_two_pass_direct_launch_makes_both_launches(monkeypatch, quant):
+    """A two-pass launch binds both kernels' launchers: the direct call fills a scratch buffer of
+    its own, swizzles it into the scales, and writes what the one-pass kernel writes, padding too."""
+    fake = _setup(monkeypatch, corrupt=False)
+    one, two = (
+        _launcher(quant, "swizzled_128x4", two_pass=False),
+        _launcher(quant, "swizzled_128x4", two_pass=True),
+    )
+    ptrs = _buffers(3, 256, quant)
+    assert two.config(3).two_pass and not one.config(3).two_pass and two.grid_rows(3) == 3
+    assert _bind(two, ptrs, ptrs[4:], 3) and two.fast
+    assert (fake.compiled.calls, fake.swizzle.compiled.calls) == (1, 1)  # the validation, direct
+    for o in ptrs[4:]:
+        o.view(torch.uint8).fill_(0x55)
+    assert two.launch(*ptrs, 3, 256, 256, 256) is None
+    assert (fake.compiled.calls, fake.swizzle.compiled.calls) == (2, 2)
+    got = [o.clone() for o in ptrs[4:]]
+    for o in ptrs[4:]:
+        o.view(torch.uint8).fill_(0x55)
+    one.launch(*ptrs, 3, 256, 256, 256)  # unbound: kernel[grid], the scales swizzled in-kernel
+    for a, b in zip(got, ptrs[4:], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_direct_launch_that_disagrees_is_dropped(monkeypatch, caplog):
