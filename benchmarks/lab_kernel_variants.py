@@ -54,6 +54,7 @@ CELLS = {
         for n in (False, True)
         for t in (1024, 4096, 8192)
     ],
+    "nvfp4_large": [(h, "nvfp4", n, 8192) for h in (4096, 8192) for n in (False, True)],
     "smoke": [(64, "fp8_static", False, 3), (64, "nvfp4", True, 5)],
 }
 
@@ -88,7 +89,9 @@ def main() -> None:
     p.add_argument("--flashinfer", action="store_true", help="FlashInfer rows for the cells it serves")
     p.add_argument("--out", action="store_true", help="also time each variant with out= (caller's buffers)")
     p.add_argument(
-        "--two-pass", action="store_true", help="also time each variant's swizzled-scale cells in two passes"
+        "--two-pass",
+        action="store_true",
+        help="also time each variant's swizzled-scale cells in one and two passes",
     )
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no claims")
     args = p.parse_args()
@@ -150,10 +153,10 @@ def main() -> None:
                     times.setdefault((name, c), []).append(us)
                     if args.two_pass and c[1] in ("nvfp4", "mxfp8"):  # the same op, both store modes
                         launcher = op._table[c[3]].launcher
-                        for two, label in ((True, " 2pass"), (None, "")):
+                        for two, label in ((False, " 1pass"), (True, " 2pass"), (None, "")):
                             launcher.fixed_two_pass = two
                             launcher.unbind()
-                            if two:  # checked on fresh inputs against the first variant's outputs
+                            if two is not None:  # checked on fresh inputs against the first variant's
                                 got = outputs(op(inp.x.clone(), inp.r, inp.w, inp.scale))
                                 exact[(name + label, c)] = all(
                                     (a is None and b is None)
@@ -176,7 +179,11 @@ def main() -> None:
     names = [
         n
         for v in variants
-        for n in [v, *([v + " 2pass"] if args.two_pass else []), *([v + " out="] if args.out else [])]
+        for n in [
+            v,
+            *([v + " 1pass", v + " 2pass"] if args.two_pass else []),
+            *([v + " out="] if args.out else []),
+        ]
     ]
     names += ["flashinfer"] if fi is not None else []
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; us per call (median over rounds); (fraction of copy bw)")
