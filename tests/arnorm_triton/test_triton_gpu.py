@@ -118,14 +118,24 @@ def test_strided_rows_and_round_before_weight_on_gpu(variant):
 
 
 @pytest.mark.parametrize(
-    "variant", [(None, None), ("fp8_static", None), ("nvfp4", "swizzled_128x4")], ids=variant_id
-)
-def test_cuda_graph_capture_and_replay(variant):
-    """A captured call replays on new inputs and matches an eager call bit for bit."""
+    ("variant", "two_pass"),
+    [((None, None), None), (("fp8_static", None), None), (("nvfp4", "swizzled_128x4"), None),
+     (("nvfp4", "swizzled_128x4"), True)],
+    ids=["none", "fp8_static", "nvfp4-swizzled", "nvfp4-swizzled-two-pass"],
+)  # fmt: skip
+def test_cuda_graph_capture_and_replay(variant, two_pass):
+    """A captured call replays on new inputs and matches an eager call bit for bit. Two-pass: T 4096
+    takes the table's two-pass store through the direct launch, its scratch allocated inside the
+    capture; the eager call it is compared with takes one pass."""
     quant, layout = variant
-    t, h = 37, 4096
-    problem = make_problem(h, torch.bfloat16, quant, layout, weight_offset=1.0, max_tokens=64, device="cuda")
+    t, h = (4096, 4096) if two_pass else (37, 4096)
+    problem = make_problem(h, torch.bfloat16, quant, layout, weight_offset=1.0, max_tokens=t, device="cuda")
     backend = make_backend(problem)
+    eager_backend = make_backend(problem)
+    if two_pass:
+        eager_backend.launcher.fixed_two_pass = False
+        eager_backend.launcher.unbind()
+        assert backend.launcher.config(t).two_pass and backend.launcher.fast
     x0, res0, w = _inputs(t, h, torch.bfloat16, 1.0, seed=1)
     scale = make_scale(quant, add_rmsnorm(x0, res0, w, 1e-6, 1.0)[1])
     x, res = x0.clone(), res0.clone()
@@ -142,7 +152,7 @@ def test_cuda_graph_capture_and_replay(variant):
         x.copy_(xn)
         res.copy_(rn)
         graph.replay()
-        eager = backend(xn.clone(), rn, w, scale)
+        eager = eager_backend(xn.clone(), rn, w, scale)
         torch.cuda.synchronize()
         assert torch.equal(captured.residual, eager.residual) and torch.equal(captured.normed, eager.normed)
         if quant is not None:
