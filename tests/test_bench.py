@@ -117,7 +117,9 @@ def test_plot_marks_the_backend_auto_mode_picks(bench_run):
     assert "auto mode's pick" in [t.get_text() for t in ax.get_legend().get_texts()]
     assert "smoke test" in ax.get_title()
     report["auto"] = {str(t): "not_timed_here" for t in TOKENS}  # a pick without a latency: no ring
-    assert not [line for line in _bench_report.plot_figure(report).axes[0].get_lines() if line.get_gid() == "auto"]
+    assert not [
+        line for line in _bench_report.plot_figure(report).axes[0].get_lines() if line.get_gid() == "auto"
+    ]
 
 
 @pytest.mark.slow
