@@ -10,8 +10,9 @@ summed in fp32 in rank order inside the kernel, bitwise equal to the reference a
 Install with ``pip install 'arnorm[triton]'``; registered as ``triton`` (priority 100) through the
 ``arnorm.backends`` entry point. Modules: ``_plugin`` (the cheap descriptor), ``_backend`` (the
 ``TritonBackend`` class), ``_kernels`` (the kernel and the norm/quant epilogue shared with
-``triton_symm``), ``_launch`` (the launcher), ``_direct`` (the direct launch both launchers use),
-``_launch_table`` / ``_launch_measured`` (the warps per shape, and where scales take two passes),
-``_casts`` (conversions that are exact on a GPU and in the Triton interpreter). This package imports
-nothing heavy.
+``triton_symm``), ``_swizzle`` (the second pass of a two-pass scale store), ``_launch`` (the
+launcher), ``_direct`` (the direct launch both launchers use), ``_launch_table`` /
+``_launch_measured`` (the warps per shape, and where scales take two passes), ``_casts``
+(conversions that are exact on a GPU and in the Triton interpreter). This package imports nothing
+heavy.
 """

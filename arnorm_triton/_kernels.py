@@ -63,8 +63,6 @@ __all__ = [
     "padding_programs",
     "row_offsets",
     "row_shape",
-    "swizzle_block_scales_kernel",
-    "swizzle_chunk",
     "zero_padding_rows",
 ]
 
@@ -399,42 +397,6 @@ def fused_add_rmsnorm_quant_kernel(
             zero_padding_rows(sf_ptr, row - n_rows, n_rows, HIDDEN, BLOCK, GROUP)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def swizzle_block_scales_kernel(src_ptr, sf_ptr, n_rows, K: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
-                                USE_PDL: tl.constexpr):  # fmt: skip
-    """The second pass of a two-pass store: block scales ``src`` (uint8 ``[T, K]``, linear, as the
-    fused kernel wrote them with ``SWIZZLED=False``) into ``sf``'s ``swizzled_128x4`` layout
-    (``[round_up(T, 128), KP]``, ``KP = round_up(K, 4)``), padding rows and columns zeroed.
-
-    Why: a row's 4 bytes of every 512-byte tile are a partial-sector write each (128 of them per
-    row at H 8192), which at large T costs the fused kernel 7-9% of its bandwidth; here one
-    program owns whole tiles and stores them contiguously. Program ``(t, c)``: rows
-    ``[128 t, 128 t + 128)``, columns ``[KC c, KC c + KC)``, whose swizzled bytes are one contiguous
-    run of ``KC * 128`` (the column groups ``k // 4`` are the outermost term of the offset).
-    """
-    tile = tl.program_id(0)
-    chunk = tl.program_id(1)
-    rows = tile * 128 + tl.arange(0, 128)
-    cols = chunk * KC + tl.arange(0, KC)
-    if USE_PDL:  # the fused kernel's stores of src must have landed
-        tl.extra.cuda.gdc_wait()
-    v = tl.load(src_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
-                mask=(rows[:, None] < n_rows) & (cols[None, :] < K), other=0)  # fmt: skip
-    # [m, k] -> [m // 32, m % 32, k // 4, k % 4] -> [k // 4, m % 32, m // 32, k % 4], row-major: the
-    # swizzle (k // 4) * 512 + (m % 32) * 16 + (m // 32) * 4 + k % 4 within the tile.
-    flat = tl.reshape(tl.permute(tl.reshape(v, [4, 32, KC // 4, 4]), [2, 1, 0, 3]), [KC * 128])
-    o = tl.arange(0, KC * 128)
-    base = tile.to(tl.int64) * (KP // 4 * 512) + chunk * (KC // 4 * 512)
-    tl.store(sf_ptr + base + o, flat, mask=o < (KP - chunk * KC) * 128)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-def swizzle_chunk(k: int) -> int:
-    """Columns per :func:`swizzle_block_scales_kernel` program: a power of two >= 4, at most 64."""
-    return min(64, max(4, triton.next_power_of_2((k + 3) // 4 * 4)))
 
 
 def is_interpreted() -> bool:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from arnorm_triton import _kernels as K
+from arnorm_triton import _swizzle as S
 from arnorm_triton._direct import HOOK_CHAIN, RUNTIME, Bound, bound_launchers
 from arnorm_triton._launch_table import launch_config, two_pass_scales
 from arnorm_triton._plugin import MAX_HIDDEN
@@ -35,7 +36,7 @@ class LaunchConfig(NamedTuple):
     """How one launch is shaped; chosen per (H, T) by :mod:`arnorm_triton._launch_table`.
 
     ``two_pass``: swizzled block scales written linearly by the fused kernel into a scratch
-    buffer of the call, then swizzled by :func:`~arnorm_triton._kernels.swizzle_block_scales_kernel`
+    buffer of the call, then swizzled by :func:`~arnorm_triton._swizzle.swizzle_block_scales_kernel`
     (the same bytes; whole-sector stores at large T)."""
 
     num_warps: int
@@ -269,9 +270,9 @@ class FusedLauncher:
             *ptrs[:7], scratch, n_rows, *strides, self.eps, self.weight_offset, num_warps=cfg.num_warps,
             **extra, **(c | {"SWIZZLED": False}),
         )  # fmt: skip
-        kc = K.swizzle_chunk(k)
+        kc = S.swizzle_chunk(k)
         kp = (k + 3) // 4 * 4
-        swizzle = K.swizzle_block_scales_kernel[((n_rows + 127) // 128, (kp + kc - 1) // kc)](
+        swizzle = S.swizzle_block_scales_kernel[((n_rows + 127) // 128, (kp + kc - 1) // kc)](
             scratch, sf, n_rows, K=k, KP=kp, KC=kc, USE_PDL=c["USE_PDL"], num_warps=4, **extra
         )
         return compiled, swizzle
@@ -284,7 +285,7 @@ class FusedLauncher:
         import torch
 
         k = self.hidden // self.constexprs["GROUP"]
-        kp, kc, pdl = (k + 3) // 4 * 4, K.swizzle_chunk(k), self.constexprs["USE_PDL"]
+        kp, kc, pdl = (k + 3) // 4 * 4, S.swizzle_chunk(k), self.constexprs["USE_PDL"]
         chunks = (kp + kc - 1) // kc
         # Among the fused run's arguments after `function`: sf's pointer, and the SWIZZLED
         # constexpr (after 8 pointers, n_rows, 3 strides, eps and weight_offset), which the

@@ -21,6 +21,7 @@ from triton_cases import make_inputs
 import arnorm_triton._direct as direct_module
 import arnorm_triton._kernels as kernels
 import arnorm_triton._launch as launch_module
+import arnorm_triton._swizzle as swizzle_module
 from arnorm.quant import quantize
 from arnorm_triton._launch import FusedLauncher
 
@@ -97,8 +98,8 @@ class _FakeKernel:
 def _setup(monkeypatch, corrupt: bool):
     fake = _FakeKernel(kernels.fused_add_rmsnorm_quant_kernel, corrupt)
     monkeypatch.setattr(kernels, "fused_add_rmsnorm_quant_kernel", fake)
-    swizzle = _FakeKernel(kernels.swizzle_block_scales_kernel, False)
-    monkeypatch.setattr(kernels, "swizzle_block_scales_kernel", swizzle)
+    swizzle = _FakeKernel(swizzle_module.swizzle_block_scales_kernel, False)
+    monkeypatch.setattr(swizzle_module, "swizzle_block_scales_kernel", swizzle)
     fake.swizzle = swizzle
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     assert launch_module.K is kernels
