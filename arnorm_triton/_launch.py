@@ -158,7 +158,8 @@ class FusedLauncher:
         res_stride: int,
         h_stride: int,
     ) -> Any:
-        """One launch over ``n_rows`` rows (returns the compiled kernel when launched ordinarily)."""
+        """One launch over ``n_rows`` rows (returns the compiled kernel when launched ordinarily: for a
+        two-pass configuration, the fused and the swizzle kernels' pair)."""
         # y, q, sf are this backend's own allocations or caller buffers arnorm checked for 16-byte
         # alignment; scale is not specialized (any pointer).
         hp = h.data_ptr()

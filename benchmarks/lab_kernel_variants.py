@@ -78,6 +78,16 @@ def outputs(result: Any) -> list[Any]:
     return [None if t is None else t.detach().clone().view(torch.uint8) for t in tensors]
 
 
+def same_outputs(ref: list[Any], got: list[Any]) -> bool:
+    """Whether two :func:`outputs` lists hold the same tensors bit for bit, ``None`` in the same places."""
+    import torch
+
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(ref, got, strict=True)
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -135,10 +145,7 @@ def main() -> None:
                     x = inp.x.clone()
                     got = outputs(op(x, inp.r, inp.w, inp.scale))
                     ref = reference.setdefault(c, got)
-                    exact[(name, c)] = all(
-                        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                        for a, b in zip(ref, got, strict=True)
-                    )
+                    exact[(name, c)] = same_outputs(ref, got)
                     ops[(name, c)] = (op, x)
                 print(f"{name}: built in {time.time() - t0:.0f} s", flush=True)
         finally:
@@ -158,11 +165,7 @@ def main() -> None:
                             launcher.unbind()
                             if two is not None:  # checked on fresh inputs against the first variant's
                                 got = outputs(op(inp.x.clone(), inp.r, inp.w, inp.scale))
-                                exact[(name + label, c)] = all(
-                                    (a is None and b is None)
-                                    or (a is not None and b is not None and torch.equal(a, b))
-                                    for a, b in zip(reference[c], got, strict=True)
-                                )
+                                exact[(name + label, c)] = same_outputs(reference[c], got)
                                 us = dev.graph_us(
                                     lambda op=op, x=x, inp=inp: op(x, inp.r, inp.w, inp.scale), 20, 9
                                 )

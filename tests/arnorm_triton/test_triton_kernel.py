@@ -69,14 +69,9 @@ def test_not_inplace_and_no_normed_output(variant):
     assert_quant_equal(b.quant, a.quant)
 
 
-def test_swizzled_padding_is_written():
-    """Swizzled scales: the padding rows and columns are written as zeros, not left to the allocator
-    (the outputs are pre-filled with 0x55); on a GPU T = 129 also spans two 128-row tiles."""
-    t = 129 if DEVICE.type == "cuda" else 3  # every interpreted row costs ~0.1 s
-    partials, residual, weight = make_inputs(t, 96, torch.bfloat16, device=DEVICE)
-    scale = make_scale("nvfp4", add_rmsnorm(partials[0], residual, weight, 1e-6, 0.0)[1])
-    problem = make_problem(96, torch.bfloat16, "nvfp4", "swizzled_128x4", max_tokens=256, device=DEVICE)
-    backend = make_backend(problem)
+def _prefill_quant_outputs(backend) -> None:
+    """Make ``backend`` pre-fill the codes and scales it allocates with 0x55, so bytes a kernel
+    leaves unwritten (padding) show."""
     alloc = backend._alloc
 
     def dirty_alloc(t):
@@ -86,6 +81,17 @@ def test_swizzled_padding_is_written():
         return outs
 
     backend._alloc = dirty_alloc
+
+
+def test_swizzled_padding_is_written():
+    """Swizzled scales: the padding rows and columns are written as zeros, not left to the allocator
+    (the outputs are pre-filled with 0x55); on a GPU T = 129 also spans two 128-row tiles."""
+    t = 129 if DEVICE.type == "cuda" else 3  # every interpreted row costs ~0.1 s
+    partials, residual, weight = make_inputs(t, 96, torch.bfloat16, device=DEVICE)
+    scale = make_scale("nvfp4", add_rmsnorm(partials[0], residual, weight, 1e-6, 0.0)[1])
+    problem = make_problem(96, torch.bfloat16, "nvfp4", "swizzled_128x4", max_tokens=256, device=DEVICE)
+    backend = make_backend(problem)
+    _prefill_quant_outputs(backend)
     out = backend(partials[0].clone(), residual, weight, scale)
     assert out.quant.scale.shape == ((t + 127) // 128 * 128, 8)  # K = 6 scale columns pad to 8
     check_output(out, partials[0], residual, weight, problem, scale)
@@ -102,15 +108,7 @@ def test_two_pass_scale_store_writes_the_same_bytes(quant, normed):
     problem = make_problem(h, torch.bfloat16, quant, "swizzled_128x4", normed_output=normed, max_tokens=256,
                            device=DEVICE)  # fmt: skip
     backend = make_backend(problem)
-    alloc = backend._alloc
-
-    def dirty_alloc(t):
-        outs = alloc(t)
-        for o in outs[1:3]:
-            o.view(torch.uint8).fill_(0x55)
-        return outs
-
-    backend._alloc = dirty_alloc
+    _prefill_quant_outputs(backend)
     got = []
     for two_pass in (False, True):
         backend.launcher.fixed_two_pass = two_pass
