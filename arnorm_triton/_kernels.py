@@ -16,9 +16,10 @@ after summing the peers' partials from symmetric memory).
 
 Every division and the square root are IEEE round-to-nearest (``tl.div_rn``, ``tl.sqrt_rn``):
 Triton's ``/`` lowers to ``div.full.f32`` (about 2 ulp) on NVIDIA GPUs, which would break the
-bit-exact quantizer contract. The row lives in registers as ``[BLOCK // GROUP, GROUP]``
-(:func:`row_offsets`): one block of ``GROUP`` elements per quantization block (16 for nvfp4, 32
-for mxfp8, 16 otherwise), so block amaxes are row reductions with no reshape.
+bit-exact quantizer contract. The row lives in registers as ``[BLOCK // VEC, VEC]``
+(:func:`row_offsets`): consecutive threads hold consecutive 16-byte slices, and a quantization
+block of ``GROUP`` elements (16 for nvfp4, 32 for mxfp8) is ``GROUP // VEC`` neighbouring threads,
+reshaped to ``[BLOCK // GROUP, GROUP // VEC, VEC]`` for its amax.
 ``BLOCK = max(next_pow2(H), 4 * GROUP)``; lanes at or beyond ``H`` are masked and load as zero.
 
 Quantized outputs (``QUANT``: 0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4, 4 mxfp8), all
@@ -98,35 +99,22 @@ _NVFP4_FAST_SCALE = tl.constexpr(float(2**118))
 
 
 @triton.jit
-def row_offsets(HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr,
-                WHOLE: tl.constexpr = False):  # fmt: skip
-    """``(offs, mask)``: element offsets ``[BLOCK // GROUP, GROUP // VEC, VEC]`` within one row
-    (row-major: ``offs[b, j, v] = b * GROUP + j * VEC + v``) and ``offs < HIDDEN``; the epilogue
-    expects ``s`` in this shape.
+def row_offsets(HIDDEN: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """``(offs, mask)``: element offsets ``[BLOCK // VEC, VEC]`` within one row (row-major:
+    ``offs[i, v] = i * VEC + v``) and ``offs < HIDDEN``; the epilogue expects ``s`` in this shape.
 
-    Why three axes: Triton picks each memory access's register layout from the contiguity it can
-    prove, and stores are limited to 16 bytes per thread. A ``[.., GROUP]`` tile lets 16 contiguous
-    elements per thread be loaded but only 8 bf16 be stored, and every mismatch costs a layout
-    conversion through shared memory (with barriers) per row. With contiguity VEC (16 bytes) on
-    the last axis, every load and store of the row shares one layout; a quantization block's
-    amax is then a reduction over the last two axes (in-thread, then a warp shuffle).
-
-    ``WHOLE`` (nvfp4): the first two axes swapped, ``offs[j, b, v]``: the layout Triton derives then
-    puts a whole quantization block (two 16-byte slices) in one thread, so a block's amax, scale
-    and packed codes need no shuffle and no lane computes another lane's block scale.
+    Why this shape: Triton picks each memory access's register layout from the contiguity it can
+    prove, and a thread stores at most 16 bytes per instruction. With VEC elements (16 bytes) on
+    the last axis and the slices on the first, thread ``i`` of a warp holds slice ``i``, so every
+    load and store of the row shares one layout and each store instruction writes whole 32-byte
+    sectors. An earlier ``[blocks, slices, VEC]`` shape made Triton give each thread whole
+    quantization blocks, 32-64 bytes apart between neighbouring threads: each store then wrote
+    sectors in halves or quarters, which cost mxfp8 a third of its bandwidth at T 8192 and every
+    format up to 0.3-1.0 us at decode sizes (H200, kernel-variants run 21). A quantization block
+    is now ``GROUP // VEC`` neighbouring threads; its amax is a reshape to
+    ``[BLOCK // GROUP, GROUP // VEC, VEC]``, an in-thread reduction, then a shuffle.
     """
-    if WHOLE:  # [GROUP // VEC, BLOCK // GROUP, VEC]: Triton then gives each thread whole blocks
-        offs = (
-            tl.arange(0, GROUP // VEC)[:, None, None] * VEC
-            + tl.arange(0, BLOCK // GROUP)[None, :, None] * GROUP
-            + tl.arange(0, VEC)[None, None, :]
-        )
-    else:
-        offs = (
-            tl.arange(0, BLOCK // GROUP)[:, None, None] * GROUP
-            + tl.arange(0, GROUP // VEC)[None, :, None] * VEC
-            + tl.arange(0, VEC)[None, None, :]
-        )
+    offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     return offs, offs < HIDDEN
 
 
@@ -195,7 +183,7 @@ def epilogue_operands(row, res_ptr, res_stride, w_ptr, scale_ptr, HIDDEN: tl.con
     formats without one). A kernel that must wait before it has the row's sum (``triton_symm``)
     issues them before the wait, so they leave its critical path; :func:`norm_quant_apply` takes
     them. With ``HAS_RESIDUAL=False`` ``res`` is zeros and ``res_ptr`` is never read."""
-    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
+    offs, mask = row_offsets(HIDDEN, BLOCK, VEC)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row.to(tl.int64) * res_stride + offs, mask=mask, other=0.0)
     else:
@@ -218,9 +206,8 @@ def norm_quant_epilogue(
     """Steps 2-4 of the contract for one row, from its reduced sum ``s``; writes every output.
 
     Args:
-        s: fp32 in :func:`row_offsets` order (``WHOLE = QUANT == 3``): the reduced
-            row, already rounded to the dtype ``D`` (``fp32(D(sum))``); lanes ``>= HIDDEN`` are
-            ignored.
+        s: fp32 in :func:`row_offsets` order: the reduced row, already rounded to the dtype
+            ``D`` (``fp32(D(sum))``); lanes ``>= HIDDEN`` are ignored.
         row: the row index ``t`` (int32 or int64 scalar), ``0 <= t < T``.
         res_ptr, res_stride: residual input ``[T, H]`` in ``D``; row ``t`` starts at
             ``res_ptr + t * res_stride`` (unit column stride).
@@ -270,9 +257,7 @@ def norm_quant_apply(
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     NB: tl.constexpr = BLOCK // GROUP
     blk = tl.arange(0, NB)
-    WHOLE: tl.constexpr = QUANT == 3
-    SAX: tl.constexpr = 0 if WHOLE else 1  # the axis of a block's 16-byte slices
-    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, WHOLE)
+    offs, mask = row_offsets(HIDDEN, BLOCK, VEC)
     row64 = row.to(tl.int64)
     w = to_fp32(w, SOFT) + weight_offset
 
@@ -287,7 +272,7 @@ def norm_quant_apply(
     # Step 3: y, with a correctly rounded mean, square root and reciprocal.
     # A power-of-two H could multiply by 1 / H (the same rounding), but on the H200 that made
     # ptxas schedule the normed variants worse (fp8_static, mxfp8 at T 8192: 6-7% slower): kept.
-    mean_sq = tl.div_rn(tl.sum(tl.sum(tl.sum(hf * hf, axis=2), axis=SAX), axis=0), HIDDEN * 1.0)
+    mean_sq = tl.div_rn(tl.sum(tl.sum(hf * hf, axis=1), axis=0), HIDDEN * 1.0)
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
     n = hf * inv_rms
     if ROUND_BEFORE_WEIGHT:
@@ -302,37 +287,42 @@ def norm_quant_apply(
     if QUANT == 1:  # fp8_static: satfinite_rn(y * fp32(1 / scale))
         tl.store(q_ptr + base + offs, e4m3_bits(yf * tl.div_rn(1.0, scale), SOFT_FP8, False), mask=mask)
     elif QUANT == 2:  # fp8_per_token: scale_t = max(amax_t / 448, 1 / (448 * 512)), q = y / scale_t
-        amax = abs_max(abs_max(abs_max(yf, 2), 1), 0)
+        amax = abs_max(abs_max(yf, 1), 0)
         tok_scale = tl.maximum(tl.div_rn(amax, E4M3_MAX), _MIN_TOKEN_SCALE, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + base + offs, e4m3_bits(tl.div_rn(yf, tok_scale), SOFT_FP8, False), mask=mask)
         tl.store(sf_ptr + row64, tok_scale)
     elif QUANT == 3:  # nvfp4: SF = e4m3(gs * (amax16 * fp32(1/6))), q = e2m1(y * (gs / SF))
+        yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])  # a block's slices: neighbouring threads
         # A float amax is abs_max's value up to the NaN payload, which no later step reads.
-        amax = tl.reduce(tl.reduce(yf, 2, _max_abs_nan), SAX, _max_abs_nan)
+        amax = tl.reduce(tl.reduce(yb, 2, _max_abs_nan), 1, _max_abs_nan)
         sf_code = e4m3_bits(scale * (amax * _INV_E2M1_MAX), SOFT_FP8)
         if SOFT_FP8:
             sf = e4m3_decode(sf_code)
         else:  # exact in hardware (e4m3 -> f16 -> f32); the sign bit dropped as e4m3_decode does
             sf = (sf_code & 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         enc = tl.where(sf == 0.0, 0.0, tl.div_rn(scale, tl.where(sf == 0.0, 1.0, sf)))
-        v = yf * enc[None, :, None]  # WHOLE: [GROUP // VEC, NB, VEC]
+        v = yb * enc[:, None, None]
         if tl.abs(scale) < _NVFP4_FAST_SCALE:  # enc finite: a NaN v only in a NaN block (zeroed below)
             codes = e2m1_code_fma(v)
         else:
             codes = e2m1_code(v).to(tl.int32)
-        # The VEC codes of a 16-byte slice as one word, nibble i = element i (no byte permutes).
+        # The VEC codes of a 16-byte slice as one word, nibble i = element i (no byte permutes):
+        # thread i holds word i of the row.
         words = tl.sum(codes << (tl.arange(0, VEC) * 4)[None, None, :], axis=2)
-        words = tl.where((enc != enc)[None, :], 0, words)
+        words = tl.where((enc != enc)[:, None], 0, words)
         WORD: tl.constexpr = tl.int32 if VEC == 8 else tl.int16
-        woffs = blk[None, :] * (GROUP // VEC) + tl.arange(0, GROUP // VEC)[:, None]
+        words = tl.reshape(words.to(WORD), [BLOCK // VEC])
+        woffs = tl.arange(0, BLOCK // VEC)
         wptr = (q_ptr + row64 * (HIDDEN // 2)).to(tl.pointer_type(WORD))
-        # Non-contiguous on purpose: stores from the reduction's own layout, no conversion.
-        tl.store(wptr + tl.max_contiguous(woffs, [1, 1]), words.to(WORD), mask=woffs < HIDDEN // VEC)
+        # Contiguity 1 on purpose: a wider store would convert the words' layout through shared
+        # memory; one word per thread from the reduction's layout is already whole sectors.
+        tl.store(wptr + tl.max_contiguous(woffs, [1]), words, mask=woffs < HIDDEN // VEC)
         _store_block_scales(sf_ptr, sf_code, row64, blk, HIDDEN // GROUP, SWIZZLED)
     elif QUANT == 4:  # mxfp8: e = ue8m0_round_up(amax32 * fp32(1/448)), q = e4m3(y * 2**(127 - e))
-        e = ue8m0_round_up(abs_max(abs_max(yf, 2), 1) * _INV_E4M3_MAX)
-        q = e4m3_bits(yf * ue8m0_to_inv_scale(e)[:, None, None], SOFT_FP8)
-        tl.store(q_ptr + base + offs, q, mask=mask)
+        yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])  # a block's slices: neighbouring threads
+        e = ue8m0_round_up(abs_max(abs_max(yb, 2), 1) * _INV_E4M3_MAX)
+        q = e4m3_bits(yb * ue8m0_to_inv_scale(e)[:, None, None], SOFT_FP8)
+        tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
         _store_block_scales(sf_ptr, e, row64, blk, HIDDEN // GROUP, SWIZZLED)
 
 
@@ -374,7 +364,7 @@ def fused_add_rmsnorm_quant_kernel(
     """
     row = tl.program_id(0)
     if row < n_rows:
-        offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
+        offs, mask = row_offsets(HIDDEN, BLOCK, VEC)
         row64 = row.to(tl.int64)
         x_row = x_ptr + row64 * x_stride + offs
         if USE_PDL:  # the addresses above need nothing from the preceding grid; every load does

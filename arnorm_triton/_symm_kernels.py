@@ -228,7 +228,7 @@ def _epilogue(s, row64, first, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_s
         if first:
             res = res0
         else:
-            offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
+            offs, mask = row_offsets(HIDDEN, BLOCK, VEC)
             res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
         norm_quant_apply(s, res, w0, scale0, row64, h_ptr, h_stride, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
                          HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
@@ -348,7 +348,7 @@ def symm_allreduce_norm_kernel(
                 zero_padding_rows(sf_ptr, b - n_main, n_rows, HIDDEN, BLOCK, GROUP)
             return
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
-    offs, mask = row_offsets(HIDDEN, BLOCK, GROUP, VEC, QUANT == 3)
+    offs, mask = row_offsets(HIDDEN, BLOCK, VEC)
     b64 = tl.cast(b, tl.int64)
     if USE_PDL:  # the addresses above need nothing from the preceding grid; everything below does
         tl.extra.cuda.gdc_wait()

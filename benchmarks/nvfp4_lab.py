@@ -3,7 +3,8 @@ of ``arnorm_triton`` until one wins on the H200 (``benchmarks/gpu_nvfp4_round.sh
 
 ``own_f`` won on 2026-12-03 (0.86-0.94 of copy bandwidth against production's 0.74-0.79,
 ``benchmarks/results/nvfp4-lab-2026-12-03-NVIDIA-H200.md``) and is now the production nvfp4 path
-(``row_offsets(..., WHOLE=True)``, ``e2m1_code_fma``, packed words). "production" below means the
+(whole blocks per thread, ``e2m1_code_fma``, packed words; since 2026-12-04 production stores
+from a flat row layout instead, kernel-variants run 21). "production" below means the
 kernel before that port; the lab's ``launch_production`` now runs the ported kernel, so the
 ``same_*`` variants' normed outputs may differ from it by 1 ulp, as ``own_f``'s did before.
 
@@ -54,7 +55,7 @@ import triton.language as tl
 
 from arnorm_triton import _kernels as K
 from arnorm_triton._casts import abs_max, e2m1_code, e4m3_bits, e4m3_decode, to_dtype_rne, to_fp32
-from arnorm_triton._kernels import padding_programs, row_offsets, row_shape
+from arnorm_triton._kernels import padding_programs, row_shape
 
 __all__ = ["VARIANTS", "grid_rows", "lab_kernel", "launch_lab", "launch_production"]
 
@@ -215,17 +216,23 @@ def _nvfp4_row(yf, scale, row64, q_ptr, sf_ptr, HIDDEN: tl.constexpr, BLOCK: tl.
 def _offsets(
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, OWN: tl.constexpr
 ):
-    """Row offsets and mask: :func:`row_offsets`, or (``OWN``) the same offsets as
-    ``[GROUP // VEC, NB, VEC]`` so that Triton gives each thread whole quantization blocks."""
+    """Row offsets and mask as ``[NB, GROUP // VEC, VEC]`` (the production layout of 2026-12-03),
+    or (``OWN``) the same offsets as ``[GROUP // VEC, NB, VEC]`` so that Triton gives each thread
+    whole quantization blocks. (Production has since moved to :func:`row_offsets`' flat
+    ``[BLOCK // VEC, VEC]``, kernel-variants run 21; this lab keeps the layouts it compared.)"""
     if OWN:
         offs = (
             tl.arange(0, GROUP // VEC)[:, None, None] * VEC
             + tl.arange(0, BLOCK // GROUP)[None, :, None] * GROUP
             + tl.arange(0, VEC)[None, None, :]
         )
-        return offs, offs < HIDDEN
     else:
-        return row_offsets(HIDDEN, BLOCK, GROUP, VEC)
+        offs = (
+            tl.arange(0, BLOCK // GROUP)[:, None, None] * GROUP
+            + tl.arange(0, GROUP // VEC)[None, :, None] * VEC
+            + tl.arange(0, VEC)[None, None, :]
+        )
+    return offs, offs < HIDDEN
 
 
 @triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["scale_ptr"])
