@@ -19,7 +19,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({"bfloat16", "float16", "float32"}),
     quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
     scale_layouts=frozenset({"linear", "swizzled_128x4"}),
-    # Whole quantization blocks only: the kernel reduces each block of H as one unit.
+    # H must be a whole number of quantization blocks: the kernel reduces each block as one unit.
     quant_hidden_multiple={"nvfp4": 16, "mxfp8": 32},
     min_arch=(8, 0),
     max_hidden=MAX_HIDDEN,
