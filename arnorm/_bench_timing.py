@@ -38,19 +38,12 @@ def time_eager(
     """Microseconds of each of ``iters`` calls ``fn(*args)``, one at a time: ``args[0]`` (the
     partial) restored from ``source``, then ``sync()`` (device and every rank), then CUDA events
     around the call on a GPU, ``time.perf_counter`` on CPU."""
-    import torch
-
     samples: list[float] = []
     for i in range(warmup + iters):
         args[0].copy_(source)
         sync()
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            end.record()
-            end.synchronize()
-            us = start.elapsed_time(end) * 1e3
+            us = _event_us(lambda: fn(*args))
         else:
             t0 = time.perf_counter()
             fn(*args)
@@ -60,18 +53,23 @@ def time_eager(
     return samples
 
 
-def _replays(graph: Any, replays: int, calls: int, sync: Callable[[], None]) -> list[float]:
+def _event_us(run: Callable[[], Any]) -> float:
+    """Microseconds between CUDA events recorded on the current stream around ``run()``."""
     import torch
 
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) * 1e3
+
+
+def _replays(graph: Any, replays: int, calls: int, sync: Callable[[], None]) -> list[float]:
     samples = []
     for _ in range(replays):
         sync()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
+        samples.append(_event_us(graph.replay) / calls)
     return samples
 
 
