@@ -122,6 +122,20 @@ def test_lab_kernel_variants_smoke(tmp_path):
     assert bad.returncode == 1 and "NOT EXACT" in bad.stdout and "differ" in bad.stderr
 
 
+def test_lab_kernel_variants_two_pass_columns_run_their_own_variant(tmp_path):
+    """lab_kernel_variants.py --two-pass times each variant's one- and two-pass columns with that
+    variant's kernel module (they re-bind the launcher), not the first variant's."""
+    kernels = REPO / "arnorm_triton" / "_kernels.py"
+    off = tmp_path / "off.py"  # the weight shifted by one: every normed value moves
+    text = kernels.read_text()
+    off.write_text(text.replace("SOFT) + weight_offset", "SOFT) + 2.0 * weight_offset + 1.0"))
+    run = _lab(f"cur={kernels}", f"off={off}", "--two-pass")
+    assert "| cur | cur 1pass | cur 2pass | off | off 1pass | off 2pass |" in run.stdout, run.stdout[-2000:]
+    row = next(line for line in run.stdout.splitlines() if line.startswith("| 64 | nvfp4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")][4:]
+    assert ["NOT EXACT" in c for c in cells] == [False, False, False, True, True, True], row
+
+
 def test_sass_census_counts_a_compiled_configuration():
     """sass_census.py compiles the fused kernel for sm_90 on a machine with no GPU and reports
     its instructions, barriers and registers (a reduction needs at least one barrier)."""
