@@ -271,9 +271,8 @@ class FusedLauncher:
             *ptrs[:7], scratch, n_rows, *strides, self.eps, self.weight_offset, num_warps=cfg.num_warps,
             **extra, **(c | {"SWIZZLED": False}),
         )  # fmt: skip
-        kc = S.swizzle_chunk(k)
-        kp = (k + 3) // 4 * 4
-        swizzle = S.swizzle_block_scales_kernel[((n_rows + 127) // 128, (kp + kc - 1) // kc)](
+        kp, kc, chunks = S.swizzle_shape(k)
+        swizzle = S.swizzle_block_scales_kernel[((n_rows + 127) // 128, chunks)](
             scratch, sf, n_rows, K=k, KP=kp, KC=kc, USE_PDL=c["USE_PDL"], num_warps=4, **extra
         )
         return compiled, swizzle
@@ -286,8 +285,7 @@ class FusedLauncher:
         import torch
 
         k = self.hidden // self.constexprs["GROUP"]
-        kp, kc, pdl = (k + 3) // 4 * 4, S.swizzle_chunk(k), self.constexprs["USE_PDL"]
-        chunks = (kp + kc - 1) // kc
+        (kp, kc, chunks), pdl = S.swizzle_shape(k), self.constexprs["USE_PDL"]
         # Among the fused run's arguments after `function`: sf's pointer, and the SWIZZLED
         # constexpr (after 8 pointers, n_rows, 3 strides, eps and weight_offset), which the
         # bound variant was compiled False for (the launcher passes constexprs along as given).

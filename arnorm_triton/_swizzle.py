@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["swizzle_block_scales_kernel", "swizzle_chunk"]
+__all__ = ["swizzle_block_scales_kernel", "swizzle_shape"]
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -45,6 +45,10 @@ def swizzle_block_scales_kernel(src_ptr, sf_ptr, n_rows, K: tl.constexpr, KP: tl
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def swizzle_chunk(k: int) -> int:
-    """Columns per :func:`swizzle_block_scales_kernel` program: a power of two >= 4, at most 64."""
-    return min(64, max(4, triton.next_power_of_2((k + 3) // 4 * 4)))
+def swizzle_shape(k: int) -> tuple[int, int, int]:
+    """``(KP, KC, chunks)`` of :func:`swizzle_block_scales_kernel` for ``k`` scale columns: the padded
+    columns, the columns per program (a power of two >= 4, at most 64), and programs per tile (the
+    grid is ``(round_up(T, 128) // 128, chunks)``)."""
+    kp = (k + 3) // 4 * 4
+    kc = min(64, max(4, triton.next_power_of_2(kp)))
+    return kp, kc, (kp + kc - 1) // kc
