@@ -56,7 +56,8 @@ def main() -> int:
                     torch.cuda.synchronize()
                     us = (time.perf_counter() - t0) / 50 * 1e6
                     cfg = launcher.config(t)
-                    mode = f"two_pass={cfg.two_pass} fast={launcher.fast} same={same}"
+                    # fast: this configuration has a bound direct launcher (not just some other one)
+                    mode = f"two_pass={cfg.two_pass} fast={cfg in launcher._bound} same={same}"
                     print(f"| {h} | {normed} | {t} | {mode} | {us:.1f} |")
                 op.close()
     return 0
