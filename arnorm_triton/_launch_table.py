@@ -58,7 +58,8 @@ def launch_config(
 #: Measured on the H200 (kernel-variants run 18, 2026-12-04): nvfp4 at H 4096 / 8192, with and
 #: without the normed output, is as fast or faster in two passes from T 4096 (0.2-3.6%), 2-5%
 #: faster at T 8192, and 0.6-1.1 us slower at T 1024. mxfp8 (one scale per 32 elements, half of
-#: nvfp4's scale bytes) gains nothing: not listed.
+#: nvfp4's scale bytes) gains nothing: not listed. Re-checked on the flat row layout (run 24's
+#: `cur` columns): the same rule holds.
 TWO_PASS_FROM: dict[TableKey, int] = {
     (9, block, 3, normed, 2): 4096 for block in (4096, 8192) for normed in (False, True)
 }
