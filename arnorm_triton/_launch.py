@@ -273,7 +273,7 @@ class FusedLauncher:
         )  # fmt: skip
         kp, kc, chunks = S.swizzle_shape(k)
         swizzle = S.swizzle_block_scales_kernel[((n_rows + 127) // 128, chunks)](
-            scratch, sf, n_rows, K=k, KP=kp, KC=kc, USE_PDL=c["USE_PDL"], num_warps=4, **extra
+            scratch, sf, n_rows, K=k, KP=kp, KC=kc, USE_PDL=c["USE_PDL"], num_warps=S.SWIZZLE_WARPS, **extra
         )
         return compiled, swizzle
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["swizzle_block_scales_kernel", "swizzle_shape"]
+__all__ = ["SWIZZLE_WARPS", "swizzle_block_scales_kernel", "swizzle_shape"]
+
+#: Warps per program of :func:`swizzle_block_scales_kernel`.
+SWIZZLE_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -199,3 +199,18 @@ def test_lab_symm_variants_overlay_and_table(tmp_path):
     assert "| 8192 | fp8_static | 1 | - | - |" in text
     assert "- a: push self: residual bitwise True" in text
     assert "### push self W=8 (us per call)" in text
+
+
+def test_lab_two_pass_smoke():
+    """lab_two_pass.py --smoke builds every second-pass variant through the public op (Triton
+    interpreter, a partial last tile) and finds each one's outputs equal to production's two-pass
+    store, except the diagnostic handoff, which writes no scales."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(REPO / "benchmarks" / "lab_two_pass.py"), "--smoke"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r.split("|")[1].strip(): r for r in proc.stdout.splitlines() if r.startswith("| ")}
+    assert "NOT EXACT" in rows["handoff"]
+    for name in ("prod", "1pass", "kc32", "kc128", "w1", "w8", "words"):
+        assert rows[name].endswith("| checked |"), rows[name]
