@@ -4,8 +4,9 @@ Each column is the public op (``AllReduceNorm(arnorm.LOCAL, ...)``, nvfp4, ``swi
 scales) in one configuration, timed by CUDA-graph replay in interleaved rounds (bench_public_op's
 ``graph_us``; microseconds per call and the fraction of copy bandwidth):
 
-- ``prod``: the launch table's store (two passes from T 4096: the fused kernel writes its scales
-  linearly into a scratch buffer, ``swizzle_block_scales_kernel`` moves them into the layout).
+- ``prod``: production's two-pass store, the launch table's from T 4096 (the fused kernel writes
+  its scales linearly into a scratch buffer, ``swizzle_block_scales_kernel`` moves them into the
+  layout).
 - ``1pass``: one pass, the fused kernel storing the swizzled layout itself.
 - ``linear``: ``scale_layout="linear"``, i.e. the first pass alone: a floor for any two-pass store.
 - ``handoff`` (diagnostic: wrong scales): the second kernel only waits for the first and lets the
