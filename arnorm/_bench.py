@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from arnorm.testing import run_ranks
 
-        per_rank = run_ranks(world, _rank_main, opts, backend=comm)
+        per_rank = run_ranks(world, _rank_main, opts, backend=comm, timeout=float(args.timeout))
     report = combine(per_rank, {k: v for k, v in opts.items() if k != "cuda"}, rejected)
     print(render_table(report))
     if args.json:

@@ -435,6 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: NCCL on GPUs when at least --tp are present, else gloo on CPU",
     )
+    bench.add_argument(
+        "--timeout",
+        type=positive_int,
+        default=900,
+        metavar="SECONDS",
+        help="bound on the spawned ranks' whole run (default 900: a backend's first use may build "
+        "its kernels for minutes, e.g. FlashInfer's all-reduce module)",
+    )
     bench.add_argument("--json", default=None, metavar="FILE", help="write every sample as JSON to FILE")
     bench.add_argument(
         "--plot",
@@ -461,6 +469,12 @@ def _run(argv: Sequence[str] | None) -> int:
 
         if isinstance(exc, RankError):
             print(f"arnorm {args.command}: {exc}", file=sys.stderr)
+            if getattr(args, "timeout", None) and "did not finish within" in str(exc):
+                print(
+                    f"arnorm {args.command}: --timeout {args.timeout} s ran out (needs more when a backend "
+                    "builds its kernels on first use, which takes minutes: raise --timeout)",
+                    file=sys.stderr,
+                )
             return 1
         if isinstance(exc, SelectionError):  # the message carries the explanation table
             print(f"arnorm {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)

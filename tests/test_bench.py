@@ -264,3 +264,28 @@ def test_gpu_points_are_timed_by_graph_replay(tmp_path, eager):
         assert len(r["samples_us"]) == 4 and r["note"] is None, r
         assert ("rank_restore_us" in r) == (not eager)
         assert all(us > 0 for us in r["samples_us"]) and all(us > 0 for us in r.get("rank_restore_us", [1]))
+
+
+def test_timeout_reaches_the_ranks_and_its_expiry_says_how_to_raise_it(monkeypatch, capsys):
+    """--timeout bounds the spawned ranks (default 900 s: a first-use JIT build of a backend, such as
+    FlashInfer's all-reduce module, takes minutes), and a run that outlives it exits 1 naming the
+    option."""
+    from arnorm.testing import _ranks
+
+    seen = {}
+
+    def expire(world, fn, *args, backend="gloo", env=None, timeout=180.0):
+        seen["timeout"] = timeout
+        raise _ranks.RankError(f"rank(s) [0, 1] did not finish within {timeout:g} s")
+
+    monkeypatch.setattr(_ranks, "run_ranks", expire)
+    monkeypatch.setattr("arnorm.testing.run_ranks", expire)
+    argv = ["bench", "--tp", "2", "--hidden", "64", "--tokens", "1", "--device", "cpu"]
+    argv += ["--backends", "reference"]
+    assert main([*argv, "--timeout", "42"]) == 1
+    assert seen["timeout"] == 42
+    err = capsys.readouterr().err
+    assert "did not finish within 42 s" in err
+    assert "--timeout" in err and "first use" in err
+    assert main(argv) == 1
+    assert seen["timeout"] == 900
