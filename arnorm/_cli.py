@@ -469,7 +469,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
         if isinstance(exc, RankError):
             print(f"arnorm {args.command}: {exc}", file=sys.stderr)
-            if getattr(args, "timeout", None) and "did not finish within" in str(exc):
+            if exc.timed_out and getattr(args, "timeout", None):
                 print(
                     f"arnorm {args.command}: --timeout {args.timeout} s ran out (needs more when a backend "
                     "builds its kernels on first use, which takes minutes: raise --timeout)",

@@ -276,7 +276,7 @@ def test_timeout_reaches_the_ranks_and_its_expiry_says_how_to_raise_it(monkeypat
 
     def expire(world, fn, *args, backend="gloo", env=None, timeout=180.0):
         seen["timeout"] = timeout
-        raise _ranks.RankError(f"rank(s) [0, 1] did not finish within {timeout:g} s")
+        raise _ranks.RankError(f"rank(s) [0, 1] did not finish within {timeout:g} s", timed_out=True)
 
     monkeypatch.setattr(_ranks, "run_ranks", expire)
     monkeypatch.setattr("arnorm.testing.run_ranks", expire)

@@ -32,7 +32,12 @@ POLL_S = 0.2
 
 
 class RankError(RuntimeError):
-    """A rank raised or died; the message holds every failing rank's traceback or exit code."""
+    """A rank raised or died; the message holds every failing rank's traceback or exit code.
+    ``timed_out``: no rank failed, but some had not finished when the timeout passed."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def _child(
@@ -135,12 +140,12 @@ def run_ranks(
     ]
     got: dict[int, tuple[bool, Any]] = {}
     dead: dict[int, int | None] = {}
-    error, clean = "", False
+    error, clean, timed_out = "", False, False
     try:
         for p in procs:
             p.start()
         order: list[int] = []
-        error = _collect(procs, results, got, dead, timeout, order)
+        error, timed_out = _collect(procs, results, got, dead, timeout, order)
         if error:
             error += _failures(order or sorted(dead), got, dead, crash_logs)
         clean = not error
@@ -155,7 +160,7 @@ def run_ranks(
         del store
         logs.cleanup()
     if error:
-        raise RankError(error)
+        raise RankError(error, timed_out=timed_out)
     return [pickle.loads(got[r][1]) for r in range(world_size)]
 
 
@@ -166,10 +171,10 @@ def _collect(
     dead: dict[int, int | None],
     timeout: float,
     order: list[int],
-) -> str:
-    """Wait for every rank's message; ``""`` when all succeeded, else the headline of the failure
-    (``dead`` then also holds the ranks still running, as ``None``; ``order`` the ranks to report,
-    the likely cause first)."""
+) -> tuple[str, bool]:
+    """Wait for every rank's message; ``("", False)`` when all succeeded, else the headline of the
+    failure and whether it is the timeout with no rank failed (``dead`` then also holds the ranks
+    still running, as ``None``; ``order`` the ranks to report, the likely cause first)."""
     import queue as queue_mod
 
     world_size = len(procs)
@@ -214,10 +219,10 @@ def _collect(
         failed.sort(key=lambda r: r not in dead)
         later = f", then rank(s) {sorted(failed[1:])}" if failed[1:] else ""
         order[:] = failed + running
-        return f"rank {failed[0]} failed{later}"
+        return f"rank {failed[0]} failed{later}", False
     if running:
-        return f"rank(s) {running} did not finish within {timeout:g} s"
-    return ""
+        return f"rank(s) {running} did not finish within {timeout:g} s", True
+    return "", False
 
 
 def _failures(

@@ -23,6 +23,7 @@ def _fails_fast(fn, *args, **kw) -> str:
         run_ranks(2, fn, *args, timeout=TIMEOUT, **kw)
     elapsed = time.monotonic() - start
     assert elapsed < NOTICED_WITHIN, f"noticed after {elapsed:.0f} s (timeout {TIMEOUT:g} s)"
+    assert not info.value.timed_out  # a rank failed: not the timeout
     return str(info.value)
 
 
@@ -80,6 +81,7 @@ def test_hung_rank_fails_at_the_timeout_argument():
         run_ranks(2, fns.sleep_on_rank_one, timeout=20)
     assert time.monotonic() - start < NOTICED_WITHIN
     assert "--- rank 1 was still running and was stopped ---" in str(info.value)
+    assert info.value.timed_out
 
 
 def test_unpicklable_function_is_rejected_before_spawning():
