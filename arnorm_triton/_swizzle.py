@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["SWIZZLE_WARPS", "swizzle_block_scales_kernel", "swizzle_shape"]
+__all__ = ["SWIZZLE_WARPS", "swizzle_block_scales_kernel", "swizzle_shape", "swizzle_tile_chunk"]
 
 #: Warps per program of :func:`swizzle_block_scales_kernel`.
 SWIZZLE_WARPS = 4
@@ -30,12 +30,20 @@ def swizzle_block_scales_kernel(src_ptr, sf_ptr, n_rows, K: tl.constexpr, KP: tl
     ``[128 t, 128 t + 128)``, columns ``[KC c, KC c + KC)``, whose swizzled bytes are one contiguous
     run of ``KC * 128`` (the column groups ``k // 4`` are the outermost term of the offset).
     """
-    tile = tl.program_id(0)
-    chunk = tl.program_id(1)
-    rows = tile * 128 + tl.arange(0, 128)
-    cols = chunk * KC + tl.arange(0, KC)
     if USE_PDL:  # the fused kernel's stores of src must have landed
         tl.extra.cuda.gdc_wait()
+    swizzle_tile_chunk(src_ptr, sf_ptr, n_rows, tl.program_id(0), tl.program_id(1), K, KP, KC)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def swizzle_tile_chunk(src_ptr, sf_ptr, n_rows, tile, chunk, K: tl.constexpr, KP: tl.constexpr,
+                       KC: tl.constexpr):  # fmt: skip
+    """The work of program ``(tile, chunk)`` of :func:`swizzle_block_scales_kernel`, which must have
+    waited for ``src``: load the chunk's ``[128, KC]`` linear scales, store them swizzled."""
+    rows = tile * 128 + tl.arange(0, 128)
+    cols = chunk * KC + tl.arange(0, KC)
     v = tl.load(src_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
                 mask=(rows[:, None] < n_rows) & (cols[None, :] < K), other=0)  # fmt: skip
     # [m, k] -> [m // 32, m % 32, k // 4, k % 4] -> [k // 4, m % 32, m // 32, k % 4], row-major: the
@@ -44,14 +52,12 @@ def swizzle_block_scales_kernel(src_ptr, sf_ptr, n_rows, K: tl.constexpr, KP: tl
     o = tl.arange(0, KC * 128)
     base = tile.to(tl.int64) * (KP // 4 * 512) + chunk * (KC // 4 * 512)
     tl.store(sf_ptr + base + o, flat, mask=o < (KP - chunk * KC) * 128)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
-def swizzle_shape(k: int) -> tuple[int, int, int]:
+def swizzle_shape(k: int, kc_max: int = 64) -> tuple[int, int, int]:
     """``(KP, KC, chunks)`` of :func:`swizzle_block_scales_kernel` for ``k`` scale columns: the padded
-    columns, the columns per program (a power of two >= 4, at most 64), and programs per tile (the
-    grid is ``(round_up(T, 128) // 128, chunks)``)."""
+    columns, the columns per program (a power of two >= 4, at most ``kc_max``), and programs per
+    tile (the grid is ``(round_up(T, 128) // 128, chunks)``)."""
     kp = (k + 3) // 4 * 4
-    kc = min(64, max(4, triton.next_power_of_2(kp)))
+    kc = min(kc_max, max(4, triton.next_power_of_2(kp)))
     return kp, kc, (kp + kc - 1) // kc

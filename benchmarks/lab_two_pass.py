@@ -30,6 +30,7 @@ pattern first (the handoff columns write no scales: they differ).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -40,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton
 import triton.language as tl
+
+from arnorm_triton._swizzle import swizzle_shape, swizzle_tile_chunk
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -71,19 +74,10 @@ def swizzle_words_kernel(src_ptr, sf_ptr, n_rows, K: tl.constexpr, KP: tl.conste
 def swizzle_bytes_early_kernel(src_ptr, sf_ptr, n_rows, K: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
                                USE_PDL: tl.constexpr):  # fmt: skip
     """Production's swizzle, signalling the next grid before its stores (a diagnostic)."""
-    tile = tl.program_id(0)
-    chunk = tl.program_id(1)
-    rows = tile * 128 + tl.arange(0, 128)
-    cols = chunk * KC + tl.arange(0, KC)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    v = tl.load(src_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
-                mask=(rows[:, None] < n_rows) & (cols[None, :] < K), other=0)  # fmt: skip
-    flat = tl.reshape(tl.permute(tl.reshape(v, [4, 32, KC // 4, 4]), [2, 1, 0, 3]), [KC * 128])
-    o = tl.arange(0, KC * 128)
-    base = tile.to(tl.int64) * (KP // 4 * 512) + chunk * (KC // 4 * 512)
-    tl.store(sf_ptr + base + o, flat, mask=o < (KP - chunk * KC) * 128)
+    swizzle_tile_chunk(src_ptr, sf_ptr, n_rows, tl.program_id(0), tl.program_id(1), K, KP, KC)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -106,13 +100,7 @@ def handoff_early_kernel(src_ptr, sf_ptr, n_rows, K: tl.constexpr, KP: tl.conste
 
 def _shape(kc_max: int) -> Callable[[int], tuple[int, int, int]]:
     """``swizzle_shape`` with at most ``kc_max`` columns per program."""
-
-    def shape(k: int) -> tuple[int, int, int]:
-        kp = (k + 3) // 4 * 4
-        kc = min(kc_max, max(4, triton.next_power_of_2(kp)))
-        return kp, kc, (kp + kc - 1) // kc
-
-    return shape
+    return functools.partial(swizzle_shape, kc_max=kc_max)
 
 
 #: column -> (swizzle kernel or None for production's, columns per program, warps, scale layout,
