@@ -210,7 +210,14 @@ class Inputs:
 
 
 def make_op(
-    dev: Any, h: int, fmt: str, normed: bool, max_tokens: int, pdl: bool = True, accelerate: bool = True
+    dev: Any,
+    h: int,
+    fmt: str,
+    normed: bool,
+    max_tokens: int,
+    pdl: bool = True,
+    accelerate: bool = True,
+    inplace: bool = True,
 ) -> Any:
     import torch
 
@@ -223,6 +230,7 @@ def make_op(
     return arnorm.AllReduceNorm(
         arnorm.LOCAL, hidden_size=h, dtype=torch.bfloat16, norm=arnorm.RMSNorm(EPS), quant=quant,
         scale_layout=layout, max_tokens=max_tokens, normed_output=normed, device=dev.device, config=config,
+        inplace=inplace,
     )  # fmt: skip
 
 

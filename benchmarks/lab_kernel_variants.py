@@ -103,6 +103,11 @@ def main() -> None:
         action="store_true",
         help="also time each variant's swizzled-scale cells in one and two passes",
     )
+    p.add_argument(
+        "--not-in-place",
+        action="store_true",
+        help="ops built with inplace=False (the new residual in a buffer of its own)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no claims")
     args = p.parse_args()
     if args.smoke:
@@ -137,7 +142,7 @@ def main() -> None:
                 launch.K = module  # read at each op's construction and compile
                 for c in cells:
                     inp = inputs[c]
-                    op = make_op(dev, c[0], c[1], c[2], max_tokens=c[3])
+                    op = make_op(dev, c[0], c[1], c[2], max_tokens=c[3], inplace=not args.not_in_place)
                     if warps is not None:  # every launch of this op through kernel[grid] at `warps`
                         launcher = op._table[c[3]].launcher
                         launcher.fixed_warps = warps

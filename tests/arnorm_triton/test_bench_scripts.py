@@ -124,12 +124,13 @@ def test_lab_kernel_variants_smoke(tmp_path):
 
 def test_lab_kernel_variants_two_pass_columns_run_their_own_variant(tmp_path):
     """lab_kernel_variants.py --two-pass times each variant's one- and two-pass columns with that
-    variant's kernel module (they re-bind the launcher), not the first variant's."""
+    variant's kernel module (they re-bind the launcher), not the first variant's; with
+    --not-in-place too (ops whose new residual has a buffer of its own)."""
     kernels = REPO / "arnorm_triton" / "_kernels.py"
     off = tmp_path / "off.py"  # the weight shifted by one: every normed value moves
     text = kernels.read_text()
     off.write_text(text.replace("SOFT) + weight_offset", "SOFT) + 2.0 * weight_offset + 1.0"))
-    run = _lab(f"cur={kernels}", f"off={off}", "--two-pass")
+    run = _lab(f"cur={kernels}", f"off={off}", "--two-pass", "--not-in-place")
     assert "| cur | cur 1pass | cur 2pass | off | off 1pass | off 2pass |" in run.stdout, run.stdout[-2000:]
     row = next(line for line in run.stdout.splitlines() if line.startswith("| 64 | nvfp4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")][4:]
