@@ -218,12 +218,14 @@ def make_op(
     pdl: bool = True,
     accelerate: bool = True,
     inplace: bool = True,
+    layout: str | None = None,
 ) -> Any:
+    """The public op at TP 1 for one cell; ``layout`` overrides the format's scale layout."""
     import torch
 
     import arnorm
 
-    quant, layout = FORMATS[fmt]
+    quant, layout = FORMATS[fmt][0], layout or FORMATS[fmt][1]
     config = None
     if not pdl or not accelerate:
         config = arnorm.Config(settings={} if pdl else {"triton": {"pdl": False}}, accelerate=accelerate)

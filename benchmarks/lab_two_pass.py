@@ -144,17 +144,11 @@ class Swap:
 
 def build(dev: Any, name: str, h: int, normed: bool, t: int) -> Any:
     """The public op of column ``name`` for one cell, bound with the variant in place."""
-    import torch
-    from bench_public_op import EPS
-
-    import arnorm
+    from bench_public_op import make_op
 
     layout, mode = VARIANTS[name][3], VARIANTS[name][4]
     with Swap(name):
-        op = arnorm.AllReduceNorm(
-            arnorm.LOCAL, hidden_size=h, dtype=torch.bfloat16, norm=arnorm.RMSNorm(EPS), quant="nvfp4",
-            scale_layout=layout, max_tokens=t, normed_output=normed, device=dev.device,
-        )  # fmt: skip
+        op = make_op(dev, h, "nvfp4", normed, max_tokens=t, layout=layout)
         if mode is not None:
             launcher = op._table[t].launcher  # a lab script: it forces the store mode
             launcher.fixed_two_pass = mode
