@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from bench_public_op import FORMATS, CpuDevice, CudaDevice, bytes_moved, copy_bandwidth
+from bench_public_op import COPY_BYTES, FORMATS, CpuDevice, CudaDevice, bytes_moved, copy_bandwidth
 
 START = time.monotonic()
 EPS = 1e-6
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_norm_quant: needs a CUDA GPU (or --smoke)")
     dev: Any = CpuDevice() if args.smoke else CudaDevice()
-    bw = max(copy_bandwidth(dev, 1 << 16 if args.smoke else 1 << 30).values(), default=0.0)
+    bw = max(copy_bandwidth(dev, 1 << 16 if args.smoke else COPY_BYTES).values(), default=0.0)
     specs = []
     for h in args.hidden:
         for fmt, normed in variants(args.formats):

@@ -320,7 +320,7 @@ def main() -> int:
         report["copy_bw"] = 1.0
     else:
         bench = _load("bench_public_op")
-        cb = bench.copy_bandwidth(bench.CudaDevice(), 512 * 2**20)
+        cb = bench.copy_bandwidth(bench.CudaDevice(), bench.COPY_BYTES)
         report["copy_methods"] = cb
         report["copy_bw"] = max(cb.get("torch_mul_out", 0.0), cb.get("triton_copy", 0.0))
         print(f"copy bandwidth {report['copy_bw'] / 1e12:.3f} TB/s ({cb})", flush=True)

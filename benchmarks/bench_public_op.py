@@ -42,6 +42,9 @@ from typing import Any
 
 START = time.monotonic()
 EPS = 1e-6
+#: Bytes each copy of the copy-bandwidth yardstick moves one way. Every benchmark and lab uses this
+#: one size, so their fractions of copy bandwidth compare (the labs used 512 MiB until 2026-12-04).
+COPY_BYTES = 1 << 30
 #: name -> (quant, scale layout)
 FORMATS: dict[str, tuple[str | None, str | None]] = {
     "none": (None, None),
@@ -584,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("bench_public_op: needs a CUDA GPU (or --smoke)")
     dev: Any = CpuDevice() if args.smoke else CudaDevice()
     fi, fi_version = flashinfer_module(args)
-    copies = copy_bandwidth(dev, 1 << 16 if args.smoke else 1 << 30)
+    copies = copy_bandwidth(dev, 1 << 16 if args.smoke else COPY_BYTES)
     bw = max(copies.values(), default=0.0)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; flashinfer {fi_version}", flush=True)
     report: dict[str, Any] = {

@@ -115,7 +115,16 @@ def main() -> None:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from bench_public_op import CpuDevice, CudaDevice, Inputs, bytes_moved, copy_bandwidth, fi_call, make_op
+    from bench_public_op import (
+        COPY_BYTES,
+        CpuDevice,
+        CudaDevice,
+        Inputs,
+        bytes_moved,
+        copy_bandwidth,
+        fi_call,
+        make_op,
+    )
 
     import arnorm_triton._launch as launch
 
@@ -131,7 +140,7 @@ def main() -> None:
     fi = None
     if args.flashinfer and not args.smoke:
         import flashinfer.norm as fi
-    bw = 0.0 if args.smoke else max(copy_bandwidth(dev, 512 << 20).values())
+    bw = 0.0 if args.smoke else max(copy_bandwidth(dev, COPY_BYTES).values())
     kernels = launch.K
     ops: dict[tuple[str, tuple[Any, ...]], Any] = {}
     exact: dict[tuple[str, tuple[Any, ...]], bool] = {}

@@ -165,14 +165,14 @@ def main() -> None:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from bench_public_op import CpuDevice, CudaDevice, Inputs, bytes_moved, copy_bandwidth
+    from bench_public_op import COPY_BYTES, CpuDevice, CudaDevice, Inputs, bytes_moved, copy_bandwidth
 
     dev = CpuDevice() if args.smoke else CudaDevice()
     t = 130 if args.smoke else args.tokens  # smoke: a partial last tile, padding rows zeroed
     hiddens = (256,) if args.smoke else (4096, 8192)
     cells = [(256, True)] if args.smoke else [(h, n) for h in hiddens for n in (False, True)]
     names = [n for n in VARIANTS if not (args.smoke and "early" in n)]  # PDL: GPU only
-    bw = 0.0 if args.smoke else max(copy_bandwidth(dev, 512 << 20).values())
+    bw = 0.0 if args.smoke else max(copy_bandwidth(dev, COPY_BYTES).values())
     ops, exact, ref = {}, {}, {}
     with torch.no_grad():
         for c in cells:
