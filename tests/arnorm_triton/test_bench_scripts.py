@@ -215,3 +215,25 @@ def test_lab_two_pass_smoke():
     assert "NOT EXACT" in rows["handoff"]
     for name in ("prod", "1pass", "kc32", "kc128", "w1", "w8", "words"):
         assert rows[name].endswith("| checked |"), rows[name]
+
+
+def test_make_op_honours_inplace_and_layout(monkeypatch):
+    """bench_public_op.make_op builds the op the labs ask for: in place by default (the new residual
+    over hidden_states, swizzled nvfp4 scales), a buffer of its own with inplace=False, and the
+    scale layout that layout= names."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from bench_public_op import CpuDevice, Inputs, make_op
+
+    dev = CpuDevice()
+    inp = Inputs(dev, 5, 64, "nvfp4")
+    for inplace, layout, want_layout, want_shape in ((True, None, "swizzled_128x4", (128, 4)),
+                                                    (False, "linear", "linear", (5, 4))):  # fmt: skip
+        op = make_op(dev, 64, "nvfp4", False, max_tokens=8, inplace=inplace, layout=layout)
+        x = inp.x.clone()
+        out = op(x, inp.r, inp.w, inp.scale)
+        assert (out.residual.data_ptr() == x.data_ptr()) is inplace
+        assert torch.equal(x, inp.x) is not inplace
+        assert (out.quant.layout, tuple(out.quant.scale.shape)) == (want_layout, want_shape)
+        op.close()
