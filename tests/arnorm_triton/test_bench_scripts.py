@@ -237,3 +237,18 @@ def test_make_op_honours_inplace_and_layout(monkeypatch):
         assert torch.equal(x, inp.x) is not inplace
         assert (out.quant.layout, tuple(out.quant.scale.shape)) == (want_layout, want_shape)
         op.close()
+
+
+def test_lab_yardstick_smoke(tmp_path):
+    """lab_yardstick.py --smoke checks every cell against the contract, times it beside copies of
+    each size in interleaved rounds, and writes one bandwidth row per size and one fraction column
+    per size for every cell."""
+    _, out = _run("lab_yardstick.py", tmp_path)
+    (md,) = out.glob("yardstick-*.md")
+    text = md.read_text()
+    assert "Smoke run on CPU" in text and "2 interleaved rounds" in text
+    assert "| 16384 B |" in text and "| 65536 B |" in text
+    rows = [r for r in text.splitlines() if r.startswith(("| nvfp4", "| fp8_static"))]
+    assert len(rows) == 5, text
+    for row in rows:
+        assert "| ok |" in row and row.count("MISSED") + row.count("met") == 2, row
