@@ -106,7 +106,8 @@ def _check_norm(module: Any, where: str, plan: ModelPlan) -> tuple[Any, RMSNorm]
         return None
     weight, eps = getattr(module, "weight", None), norm_eps(module)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None or eps <= 0:
-        plan.reasons.append(f"{where}: no 1-D weight and positive eps (needs variance_epsilon or eps)")
+        plan.reasons.append(f"{where}: no 1-D weight and positive eps (needs a 1-D weight and a positive "
+                            "variance_epsilon or eps)")  # fmt: skip
         return None
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):
         plan.reasons.append(f"{where}.weight: {type(weight).__name__} (needs a replicated, plain tensor)")

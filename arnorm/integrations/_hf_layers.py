@@ -27,12 +27,14 @@ model's own norm module, the exact operations of the unfused model.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from arnorm._discovery import ArnormWarning
 from arnorm._errors import InvalidInputError, NoEligibleBackendError
 from arnorm.integrations._common import guard_backward
 
@@ -117,9 +119,30 @@ class Step:
             res = None if residual is None else residual.reshape(t, h)
             out = self.op(x, res, self.norm.weight)
             return out.residual.view(shape), out.normed.view(shape)
+        if self.op is not None and self._serves(t):
+            self._warn_unfused(partial, residual)
         reduced = partial if self.all_reduce is None else self.all_reduce(partial)
         new_residual = reduced if residual is None else residual + reduced
         return new_residual, self.norm_forward(new_residual)
+
+    def _warn_unfused(self, partial: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Say once per distinct reason why a call its op serves by size ran unfused (the handle's
+        ``backends()`` answers by token count alone)."""
+        if partial.dtype != self.dtype:
+            reason = (f"partial sum: dtype {partial.dtype} (needs {self.dtype}, the dtype of the fused "
+                      "model; autocast changes the linear layers' output dtype)")  # fmt: skip
+        elif residual is not None and residual.dtype != self.dtype:
+            reason = f"residual: dtype {residual.dtype} (needs {self.dtype}, the dtype of the fused model)"
+        else:
+            shape = tuple(partial.shape)
+            reason = f"partial sum: shape {shape} (needs [..., {self.hidden}], as the residual)"
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(f"arnorm.integrations.transformers: a site ran unfused: {reason}", ArnormWarning, 3)
+
+
+#: Reasons already said by :meth:`Step._warn_unfused` (once per process).
+_WARNED: set[str] = set()
 
 
 def row_parallel_forward(linear: torch.nn.Linear) -> Callable[..., torch.Tensor]:

@@ -33,6 +33,7 @@ from arnorm._errors import InvalidInputError, NoEligibleBackendError
 from arnorm._op import AllReduceNorm
 from arnorm._types import LOCAL, QuantizedActivation, RMSNorm
 from arnorm.integrations._common import accepts_residual, gemma_add_norm, norm_eps
+from arnorm.integrations._vllm_checks import not_gemma_reason, uncallable_reason, warn_unfused
 from arnorm.integrations._vllm_groups import Tp, explicit_tp, vllm_coordinator, vllm_tp
 from arnorm.integrations._vllm_keys import format_of_key
 
@@ -49,7 +50,6 @@ __all__ = [
 
 #: Token budget of the ops when neither configure() nor vLLM's scheduler says otherwise.
 DEFAULT_MAX_TOKENS = 8192
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass
@@ -64,13 +64,16 @@ class _Settings:
 
 @dataclass
 class _Entry:
-    op: AllReduceNorm
+    op: AllReduceNorm | None  # None: the op refused this configuration, for ``refused``
     served: dict[int, bool] = field(default_factory=dict)
+    refused: str | None = None
 
     def serves(self, num_tokens: int) -> bool:
         """A backend other than the reference serves ``num_tokens`` (cached per count)."""
         known = self.served.get(num_tokens)
         if known is None:
+            if self.op is None:
+                return False
             try:
                 known = self.op.backend_for(num_tokens) != "reference"
             except (InvalidInputError, NoEligibleBackendError):  # above the budget, or nothing serves it
@@ -132,7 +135,8 @@ def close() -> None:
         entries = list(_ops.values())
         _ops.clear()
     for entry in entries:
-        entry.op.close()
+        if entry.op is not None:
+            entry.op.close()
 
 
 def _tp() -> Tp:
@@ -164,20 +168,26 @@ def _entry(
     with _lock:
         entry = _ops.get(key)
         if entry is None:
-            op = AllReduceNorm(
-                tp.group,
-                hidden_size=hidden_states.shape[1],
-                dtype=hidden_states.dtype,
-                norm=RMSNorm(eps, 1.0),
-                quant=quant,
-                max_tokens=_settings.max_tokens or DEFAULT_MAX_TOKENS,
-                backend=_settings.backend,
-                normed_output=normed_output,
-                scale_layout=layout,
-                device=hidden_states.device,
-                cpu_group=tp.cpu_group,
-            )
-            entry = _ops[key] = _Entry(op)
+            try:
+                op = AllReduceNorm(
+                    tp.group,
+                    hidden_size=hidden_states.shape[1],
+                    dtype=hidden_states.dtype,
+                    norm=RMSNorm(eps, 1.0),
+                    quant=quant,
+                    max_tokens=_settings.max_tokens or DEFAULT_MAX_TOKENS,
+                    backend=_settings.backend,
+                    normed_output=normed_output,
+                    scale_layout=layout,
+                    device=hidden_states.device,
+                    cpu_group=tp.cpu_group,
+                )
+            except InvalidInputError as exc:
+                # A configuration no op takes (a hidden size the format cannot split): raised on
+                # every rank alike, so every rank takes the unfused path; kept, so not rebuilt.
+                entry = _ops[key] = _Entry(None, refused=str(exc))
+            else:
+                entry = _ops[key] = _Entry(op)
     return entry
 
 
@@ -198,7 +208,10 @@ def op_for(
     dev = torch.device(device) if device is not None else _default_device()
     probe = torch.empty(0, hidden_size, dtype=dtype, device=dev)
     layout = "swizzled_128x4" if quant == "nvfp4" else None
-    return _entry(_tp(), probe, float(eps), quant, layout, return_normed or quant is None).op
+    entry = _entry(_tp(), probe, float(eps), quant, layout, return_normed or quant is None)
+    if entry.op is None:
+        raise InvalidInputError(str(entry.refused))
+    return entry.op
 
 
 def warmup(
@@ -226,30 +239,16 @@ def _default_device() -> torch.device:
 
 
 def _weight_and_eps(norm: Any) -> tuple[torch.Tensor, float]:
+    """The norm's weight and epsilon; a norm without them, or a plain (non-Gemma) norm, is refused."""
     weight, eps = getattr(norm, "weight", None), norm_eps(norm)
     if not isinstance(weight, torch.Tensor) or eps is None:
         raise InvalidInputError(
             f"norm: {type(norm).__name__} (needs a module with a weight and variance_epsilon or eps)"
         )
+    reason = not_gemma_reason(norm)
+    if reason is not None:
+        raise InvalidInputError(reason)
     return weight, eps
-
-
-def _callable(hidden_states: Any, residual: Any, weight: Any) -> bool:
-    """Arguments an op takes as they are: 2-D, contiguous, one dtype arnorm serves, on one device."""
-    return (
-        isinstance(hidden_states, torch.Tensor)
-        and isinstance(residual, torch.Tensor)
-        and hidden_states.dim() == 2
-        and hidden_states.shape[0] > 0
-        and residual.shape == hidden_states.shape
-        and hidden_states.dtype in _DTYPES
-        and residual.dtype == hidden_states.dtype
-        and weight.dtype == hidden_states.dtype
-        and weight.shape == hidden_states.shape[1:]
-        and residual.device == hidden_states.device
-        and hidden_states.is_contiguous()
-        and residual.is_contiguous()
-    )
 
 
 def fused_allreduce_gemma_rms_norm(
@@ -267,14 +266,23 @@ def fused_allreduce_gemma_rms_norm(
     """
     weight, eps = _weight_and_eps(norm)
     tp = _tp()
-    if _callable(hidden_states, residual, weight):
+    reason = uncallable_reason(hidden_states, residual, weight)
+    if reason is None:
         entry = _entry(tp, hidden_states, eps, None, None, True)
-        if entry.serves(hidden_states.shape[0]):
-            out = entry.op(hidden_states, residual, weight)
+        op = entry.op
+        if op is not None and entry.serves(hidden_states.shape[0]):
+            out = op(hidden_states, residual, weight)
             return out.normed, out.residual  # type: ignore[return-value]
+        reason = entry.refused
+    if reason is not None:
+        warn_unfused("fused_allreduce_gemma_rms_norm", reason)
     reduced = tp.all_reduce(hidden_states)
     if accepts_residual(norm):
         normed, new_residual = norm(reduced, residual)
+        # vLLM's fp16 Gemma norm hands back an fp32 residual; the fused path and the next call's
+        # arguments keep the caller's dtype, so the stream does not change dtype (and stop fusing).
+        if isinstance(residual, torch.Tensor) and new_residual.dtype != residual.dtype:
+            new_residual = new_residual.to(residual.dtype)
         return normed, new_residual
     return gemma_add_norm(reduced, residual, weight, eps)
 
@@ -300,7 +308,16 @@ def fused_allreduce_gemma_rms_norm_quant(
     quant = format_of_key(key)
     if quant is None or not isinstance(weight, torch.Tensor):
         return None
-    out = _quantized_call(hidden_states, residual, weight, float(eps), scale, quant, True)
+    out = _quantized_call(
+        hidden_states,
+        residual,
+        weight,
+        float(eps),
+        scale,
+        quant,
+        True,
+        "fused_allreduce_gemma_rms_norm_quant",
+    )
     if out is None:
         return None
     return out.quant, out.normed, out.residual
@@ -316,7 +333,16 @@ def allreduce_gemma_rms_norm_mxfp8(
     backend serves the call (see :func:`fused_allreduce_gemma_rms_norm_quant`).
     """
     weight, eps = _weight_and_eps(norm)
-    out = _quantized_call(hidden_states, residual, weight, eps, None, "mxfp8", bool(return_normed))
+    out = _quantized_call(
+        hidden_states,
+        residual,
+        weight,
+        eps,
+        None,
+        "mxfp8",
+        bool(return_normed),
+        "allreduce_gemma_rms_norm_mxfp8",
+    )
     if out is None:
         return None
     q = out.quant
@@ -331,11 +357,18 @@ def _quantized_call(
     scale: torch.Tensor | None,
     quant: str,
     normed_output: bool,
+    entry_point: str,
 ) -> Any:
-    if not _callable(hidden_states, residual, weight):
+    reason = uncallable_reason(hidden_states, residual, weight)
+    if reason is not None:
+        warn_unfused(entry_point, reason, 4)
         return None
     layout = "swizzled_128x4" if quant == "nvfp4" else None
     entry = _entry(_tp(), hidden_states, eps, quant, layout, normed_output)
+    op = entry.op
+    if op is None:
+        warn_unfused(entry_point, str(entry.refused), 4)
+        return None
     if not entry.serves(hidden_states.shape[0]):
         return None
     if quant in ("fp8_static", "nvfp4"):
@@ -343,4 +376,4 @@ def _quantized_call(
             scale = scale.reshape(1)  # vLLM keeps some per-tensor scales 0-d
     else:
         scale = None
-    return entry.op(hidden_states, residual, weight, scale)
+    return op(hidden_states, residual, weight, scale)

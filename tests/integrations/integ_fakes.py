@@ -127,9 +127,15 @@ class VllmGemmaNorm(torch.nn.Module):
         self.variance_epsilon = eps
         self.calls = 0
 
+    #: True: an fp16 residual add in fp32, the fp32 sum returned, as vLLM's GemmaRMSNorm does.
+    fp32_residual_in_fp16 = False
+
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         self.calls += 1
-        h = x if residual is None else x + residual
+        if residual is not None and self.fp32_residual_in_fp16 and x.dtype == torch.float16:
+            h = x.float() + residual.float()
+        else:
+            h = x if residual is None else x + residual
         hf = h.float()
         y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         y = (y * (1.0 + self.weight.float())).to(x.dtype)

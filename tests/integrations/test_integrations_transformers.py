@@ -92,6 +92,29 @@ def test_local_fuse_is_bitwise_the_model(family, dtype):
         assert torch.equal(model(ids).logits, want)
 
 
+def test_a_site_unfused_by_autocast_says_why(monkeypatch):
+    """Under bf16 autocast an fp32 fused model's partial sums are bf16: every site runs the model's own
+    path (bitwise the model) and one ArnormWarning names the dtype found and the dtype needed."""
+    from arnorm.integrations import _hf_layers
+
+    monkeypatch.setattr(_hf_layers, "_WARNED", set())
+    model = hm.make("llama")
+    ids = torch.tensor([[5, 17, 3, 42, 8, 11]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(ids).logits
+        with (
+            fuse(model, arnorm.LOCAL, max_tokens=16, backend="reference"),
+            pytest.warns(arnorm.ArnormWarning) as said,
+        ):
+            got = model(ids).logits
+    assert torch.equal(got, want)
+    messages = [str(w.message) for w in said if issubclass(w.category, arnorm.ArnormWarning)]
+    assert messages == [
+        "arnorm.integrations.transformers: a site ran unfused: partial sum: dtype torch.bfloat16 (needs "
+        "torch.float32, the dtype of the fused model; autocast changes the linear layers' output dtype)"
+    ]
+
+
 def test_sites_and_ops_of_a_sandwich_model():
     """Gemma3 with arnorm.LOCAL: sandwich norms run as the model's own, the adds + norms share one op."""
     model = hm.make("gemma3")
