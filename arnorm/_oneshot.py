@@ -48,7 +48,12 @@ def fused_allreduce_norm(
     import torch
 
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
-        raise InvalidInputError("hidden_states: needs a 2-D torch.Tensor [tokens, hidden]")
+        found = (f"shape {list(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
+                 else type(hidden_states).__name__)  # fmt: skip
+        raise InvalidInputError(f"hidden_states: {found} (needs a 2-D torch.Tensor [tokens, hidden])")
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        needs = "torch.bfloat16, torch.float16 or torch.float32"
+        raise InvalidInputError(f"hidden_states: dtype {hidden_states.dtype} (needs {needs})")
     t, h = hidden_states.shape
     norm = RMSNorm(eps, weight_offset, round_before_weight)
     add_residual = residual is not None

@@ -55,6 +55,14 @@ def call(
             byte with another or with the inputs (README, "Caller-provided outputs").
 
     One call at a time per op: a second, concurrent call from another thread raises.
+
+    ``weight``, ``scale`` and ``out`` are checked in full when first seen, then trusted by
+    identity and data pointer: a tensor whose pointer changes (``w.data = other``) is checked
+    again, but an in-place change that keeps it (``as_strided_``, ``resize_``, ``.data`` set to
+    a view of the same memory in another dtype) is not seen. Pass a new tensor instead. Writes
+    into ``hidden_states`` and ``out`` are not recorded in autograd's version counter by every
+    backend (a bump costs more host time than the rest of a decode call): arnorm is for
+    inference, so do not pass a tensor that autograd saved for a backward.
     """
     if self._is_compiling():
         if out is not None:  # fake tensors have no data pointers: everything else is checked

@@ -234,9 +234,10 @@ def empty_output(rules: OutRules, t: int, scale: Any = None) -> Output:
     quant = None
     if rules.quant is not None:
         spec = FORMAT_SPECS[rules.quant]
-        if spec.scale_shape(t, rules.hidden, rules.layout) is None:
-            # fp8_static returns the call's scale; the field is ignored by out=, so any fp32 [1] fits.
-            scale = torch.ones(1, dtype=torch.float32, device=rules.device) if scale is None else scale
+        if spec.takes_scale and scale is None:
+            # The scale the output records (fp8_static's, nvfp4's global one) is the call's; out=
+            # ignores the field, so any fp32 [1] fits.
+            scale = torch.ones(1, dtype=torch.float32, device=rules.device)
         quant = empty_quantized(
             rules.quant, t, rules.hidden, device=rules.device, layout=rules.layout,
             scale=scale if spec.takes_scale else None,

@@ -131,9 +131,8 @@ def check_call(
     if len(shape) != 2 or shape[1] != h:
         raise InvalidInputError(f"hidden_states: shape {list(shape)} (needs [tokens, {h}], hidden_size={h})")
     if not 1 <= shape[0] <= t_max:
-        raise InvalidInputError(
-            f"hidden_states: {shape[0]} tokens (needs 1 to {t_max}; build the op with a larger max_tokens)"
-        )
+        fix = "skip a call with no tokens" if shape[0] < 1 else "build the op with a larger max_tokens"
+        raise InvalidInputError(f"hidden_states: {shape[0]} tokens (needs 1 to {t_max}; {fix})")
     res = _check_residual(residual, shape, rules)
     for arg, t in (("hidden_states", hs), ("residual", res)):
         if t is not None and not _rows_ok(t, rules):

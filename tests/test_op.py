@@ -290,6 +290,31 @@ def test_fused_allreduce_norm_needs_a_group(clean_env):
         arnorm.fused_allreduce_norm(x, r, w, group=None, eps=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("hidden", "message"),
+    [
+        (lambda x: x[0], r"^hidden_states: shape \[32\] \(needs a 2-D torch.Tensor \[tokens, hidden\]\)$"),
+        (lambda x: x.tolist(), r"^hidden_states: list \(needs a 2-D torch.Tensor"),
+        (lambda x: x.int(), r"^hidden_states: dtype torch.int32 \(needs torch.bfloat16, torch.float16 or "),
+    ],
+)
+def test_fused_allreduce_norm_names_hidden_states(clean_env, hidden, message):
+    """The one-shot form blames hidden_states (its argument) and says what it found, not the op's dtype=."""
+    x, r, w = inputs()
+    with pytest.raises(arnorm.InvalidInputError, match=message):
+        arnorm.fused_allreduce_norm(hidden(x), r, w, group=arnorm.LOCAL, eps=1e-6)
+
+
+def test_a_call_with_no_tokens_is_told_to_skip_it(clean_env):
+    """0 tokens: the fix is to skip the call (a larger max_tokens is the fix only for too many)."""
+    x, r, w = inputs()
+    with (
+        make() as op,
+        pytest.raises(arnorm.InvalidInputError, match=r"0 tokens \(needs 1 to \d+; skip a call"),
+    ):
+        op(x[:0], r[:0], w)
+
+
 def test_custom_op_compiles_fullgraph(clean_env):
     """torch.compile(fullgraph=True) traces a call through torch.ops.arnorm with the same result."""
     x, r, w = inputs()

@@ -84,6 +84,15 @@ def test_out_is_bitwise_the_allocating_call_and_holds_the_result(
                     assert got.quant.scale is out.quant.scale
 
 
+@pytest.mark.parametrize(("quant", "layout"), [f for f in FORMATS if f[0] is not None])
+def test_empty_output_needs_no_scale(clean_env, quant, layout):
+    """op.empty_output(T) without a scale works for every format (the scale an output records is the
+    call's: out= ignores the field), and the call into it is bitwise the allocating call."""
+    with make("reference", quant, layout) as op:
+        x, r, w, s = inputs(5, quant)
+        assert same(op(x.clone(), r, w, s), op(x.clone(), r, w, s, out=op.empty_output(5)))
+
+
 def test_triton_writes_in_place_and_others_are_copied_into(clean_env):
     """triton declares caller_outputs and writes out directly; the reference goes through CopyInto."""
     with make("triton") as op:
