@@ -299,10 +299,13 @@ def norm_quant_apply(
         # A float amax is abs_max's value up to the NaN payload, which no later step reads.
         amax = tl.reduce(tl.reduce(yb, 2, _max_abs_nan), 1, _max_abs_nan)
         sf_code = e4m3_bits(scale * (amax * _INV_E2M1_MAX), SOFT_FP8)
+        # SF keeps its sign: a negative global scale gives negative SFs, and S / SF must stay
+        # positive for the codes to keep y's sign (the reference's Q decodes SF signed).
         if SOFT_FP8:
-            sf = e4m3_decode(sf_code)
-        else:  # exact in hardware (e4m3 -> f16 -> f32); the sign bit dropped as e4m3_decode does
-            sf = (sf_code & 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            sf = e4m3_decode(sf_code & 0x7F)
+            sf = tl.where((sf_code & 0x80) != 0, -sf, sf)
+        else:  # exact in hardware (e4m3 -> f16 -> f32)
+            sf = sf_code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         enc = tl.where(sf == 0.0, 0.0, tl.div_rn(scale, tl.where(sf == 0.0, 1.0, sf)))
         v = yb * enc[:, None, None]
         if tl.abs(scale) < _NVFP4_FAST_SCALE:  # enc finite: a NaN v only in a NaN block (zeroed below)

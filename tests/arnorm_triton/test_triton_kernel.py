@@ -235,6 +235,23 @@ def test_edge_rows_quantize_like_the_reference(variant, dtype):
     assert_quant_equal(out.quant, quantize(out.normed, quant, scale=scale, layout=layout))
 
 
+@pytest.mark.parametrize("layout", ["linear", "swizzled_128x4"])
+@pytest.mark.parametrize("scale", [-672.0, -1e-3, -1e30], ids=["moderate", "tiny", "huge"])
+def test_nvfp4_negative_global_scale_is_the_contract(layout, scale):
+    """A negative nvfp4 global scale gives negative block scales and codes of y's own sign, bitwise
+    quantize(kernel normed) (the kernel once decoded SF without its sign and flipped every code)."""
+    partials, residual, weight = make_inputs(5, 256, torch.bfloat16, device=DEVICE)
+    s = torch.tensor([scale], device=DEVICE)
+    out = make_backend(make_problem(256, torch.bfloat16, "nvfp4", layout, device=DEVICE))(
+        partials[0].clone(), residual, weight, s
+    )
+    assert_quant_equal(out.quant, quantize(out.normed, "nvfp4", scale=s, layout=layout))
+    y = out.normed.float()
+    assert torch.equal(
+        torch.sign(out.quant.dequantize()) * (y != 0), torch.sign(y) * (out.quant.dequantize() != 0)
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_eps_and_non_power_of_two_hidden(dtype):
     """A large eps and H = 1000 (masked lanes) still meet the contract."""
