@@ -170,6 +170,21 @@ def status_legend(expl: Any) -> list[str]:
     return [f"  {s.ljust(width)}  {STATUSES[s]}" for s in seen if s in STATUSES]
 
 
+def check_settings(backend: str | None = None) -> None:
+    """Read every ``ARNORM_*`` setting (the core's and each installed backend's) and warn about
+    names that match no backend, before any work: a malformed value is a usage error here (exit
+    2, one line), not a traceback from every rank later."""
+    from arnorm._config import load_config
+    from arnorm._discovery import get_registry
+    from arnorm._op import warn_unknown_names
+    from arnorm._select import Preference, load_settings
+
+    config = load_config()
+    registry = get_registry()
+    load_settings(registry, config)
+    warn_unknown_names(Preference.resolve(backend, config), registry, stacklevel=2)
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     """Which backend this machine would choose for a problem, and every other backend's status and
     reasons (local check: no process group, no workspace)."""
@@ -180,6 +195,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from arnorm._select import Preference, explain_locally, load_settings
 
     problem = problem_from_args(args)
+    check_settings(args.backend)
     config = load_config()
     registry = get_registry()
     expl = explain_locally(problem, registry, Preference.resolve(args.backend, config), config)
@@ -204,6 +220,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Python, torch, GPUs and their peer access, and each backend's status."""
     from arnorm._doctor import report
 
+    check_settings()
     print(report())
     return 0
 
@@ -214,7 +231,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _model_demo(args)
     if args.max_tokens is not None:
         raise UsageError("--max-tokens: used with --model only")
-    from arnorm._demo import run
+    from arnorm._demo import check_backend_names, run
+
+    check_backend_names(args.backend)
+    check_settings(args.backend)
 
     return run(args)
 
@@ -234,6 +254,7 @@ def _model_demo(args: argparse.Namespace) -> int:
     from arnorm._demo import check_backend_names, pick_device
 
     check_backend_names(args.backend)
+    check_settings(args.backend)
     device = pick_device(args.device, args.tp)
     gpus = _gpu_count() if device == "cuda" else args.tp
     if gpus < args.tp:
@@ -266,6 +287,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Time every eligible backend against the unfused torch path over a token sweep."""
     from arnorm._bench import run
 
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise UsageError(f"--{flag}: {path!r} (needs a file in an existing, writable directory)")
+    check_settings()
     return run(args)
 
 

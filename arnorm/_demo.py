@@ -134,9 +134,13 @@ def check_backend_names(text: str | None) -> None:
     from arnorm._discovery import get_registry
 
     known = [i.name for i in get_registry().infos()]
-    unknown = [n for n in parse_names(text) if n not in known]
-    if unknown or not parse_names(text):
-        raise UsageError(f"--backend {text!r}: not a registered backend (needs {join_or(known)})")
+    names = parse_names(text)
+    unknown = [n for n in names if n not in known]
+    if not names:
+        raise UsageError(f"--backend: {text!r} names no backend (needs {join_or(known)})")
+    if unknown:
+        what = "not a registered backend" if len(unknown) == 1 else "not registered backends"
+        raise UsageError(f"--backend: {', '.join(map(repr, unknown))} {what} (needs {join_or(known)})")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,12 +51,20 @@ def report() -> str:
     ]
     lines += _gpu_lines()
     from arnorm._accel import accelerator
+    from arnorm._config import load_config
 
-    helper = accelerator()
-    if helper.accept is not None:
-        lines.append(f"call check: C helper ({helper.path})")
-    else:
+    helper, config = accelerator(), load_config()
+    if helper.accept is None:
         lines.append(f"call check: Python (the C helper is absent: {helper.reason})")
+    elif not config.accelerate:
+        lines.append(
+            f"call check: Python (accelerate is off: ARNORM_ACCELERATE=0; the C helper is {helper.path})"
+        )
+    elif config.check_calls:
+        lines.append("call check: Python, with every call compared across ranks (check_calls is on: "
+                     "ARNORM_CHECK_CALLS=1 turns the C helper off)")  # fmt: skip
+    else:
+        lines.append(f"call check: C helper ({helper.path})")
     lines.append("backends:")
     for info in arnorm.backends():
         version = f" {info.version}" if info.version else ""

@@ -31,9 +31,9 @@ __all__ = ["AllReduceNorm"]
 _building = threading.Lock()
 
 
-def _warn_unknown_names(pref: Preference, registry: Any) -> None:
+def warn_unknown_names(pref: Preference, registry: Any, stacklevel: int = 5) -> None:
     """A misspelt name in ARNORM_DISABLE, or in a preference list that another name satisfies,
-    would otherwise pass in silence."""
+    would otherwise pass in silence (the CLI calls it too, before any work)."""
     known = {i.name for i in registry.infos()}
     named = pref.names if pref.names is not None and len(pref.names) > 1 else ()
     for source, names in (("ARNORM_DISABLE / Config.disable", pref.disabled), (pref.source, named)):
@@ -41,7 +41,7 @@ def _warn_unknown_names(pref: Preference, registry: Any) -> None:
             if name not in known:
                 valid = ", ".join(sorted(known))
                 msg = f"{source}: {name!r} is not a registered backend (needs one of {valid})"
-                warnings.warn(msg, ArnormWarning, stacklevel=5)
+                warnings.warn(msg, ArnormWarning, stacklevel=stacklevel)
 
 
 def _fast_path(name: str, impl: Any) -> Any:
@@ -174,7 +174,7 @@ class AllReduceNorm:
                 raise InvalidInputError(f"config: {type(config).__name__} (needs arnorm.Config(...))")
             pref = Preference.resolve(backend, config)
             settings = load_settings(registry, config)
-            _warn_unknown_names(pref, registry)
+            warn_unknown_names(pref, registry)
             facts = agreement_facts(problem, pref, config, settings)
         except ArnormError as exc:
             error = exc

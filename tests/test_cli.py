@@ -232,9 +232,11 @@ def test_demo_unknown_backend_is_a_usage_error(capsys, clean_env):
     assert main(["demo", "--backend", "nosuch", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert (
-        err.startswith("arnorm demo: error: --backend 'nosuch': not a registered backend (needs ")
+        err.startswith("arnorm demo: error: --backend: 'nosuch' not a registered backend (needs ")
         and err.count("\n") == 1
     )
+    assert main(["demo", "--backend", "reference,nosuch", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("arnorm demo: error: --backend: 'nosuch' not a registered")
 
 
 def _closed_pipe(*argv: str) -> subprocess.CompletedProcess:
@@ -387,12 +389,57 @@ def test_demo_runs_two_cpu_ranks_and_checks_itself(capsys, clean_env):
     assert len(re.findall(r"^\s+[01]\s+0\s+0\s", out, re.M)) == 2
 
 
-def test_malformed_setting_is_a_one_line_error(capsys, clean_env):
-    """A malformed ARNORM_* value ends explain with one line naming the variable, exit 2."""
-    clean_env.setenv("ARNORM_PROBE_TIMEOUT", "abc")
-    assert main(["explain", "--device", "cpu"]) == 2
+@pytest.mark.parametrize(
+    ("variable", "argv"),
+    [
+        ("ARNORM_PROBE_TIMEOUT", ["explain", "--device", "cpu"]),
+        ("ARNORM_CHECK_CALLS", ["demo", "--tp", "2", "--device", "cpu"]),
+        ("ARNORM_EXAMPLE_COMPILE", ["demo", "--tp", "2", "--device", "cpu"]),
+        (
+            "ARNORM_EXAMPLE_COMPILE",
+            ["bench", "--tp", "2", "--hidden", "64", "--tokens", "1", "--device", "cpu"],
+        ),
+        ("ARNORM_ACCELERATE", ["doctor"]),
+    ],
+)
+def test_malformed_setting_is_a_one_line_error(capsys, clean_env, variable, argv):
+    """A malformed ARNORM_* value (the core's or a backend's) ends every command before any work with
+    one line naming the variable, exit 2: no rank is spawned, no traceback."""
+    clean_env.setenv(variable, "abc")
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("arnorm explain: error: ARNORM_PROBE_TIMEOUT: 'abc' (") and err.count("\n") == 1
+    assert err.startswith(f"arnorm {argv[0]}: error: {variable}: 'abc' (") and err.count("\n") == 1
+
+
+def test_bench_output_path_is_checked_before_the_run(capsys, tmp_path):
+    """--json / --plot into a missing directory is a usage error before anything is timed."""
+    bad = str(tmp_path / "missing" / "x.json")
+    assert main(["bench", "--tp", "2", "--hidden", "64", "--tokens", "1", "--json", bad]) == 2
+    assert capsys.readouterr().err == (
+        f"arnorm bench: error: --json: {bad!r} (needs a file in an existing, writable directory)\n"
+    )
+
+
+def test_explain_warns_about_a_misspelt_disabled_name(capsys, clean_env):
+    """ARNORM_DISABLE naming no registered backend is said by explain, as building an op says it."""
+    clean_env.setenv("ARNORM_DISABLE", "tritn")
+    with pytest.warns(arnorm.ArnormWarning, match=r"'tritn' is not a registered backend \(needs one of "):
+        assert main(["explain", "--device", "cpu"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"ARNORM_ACCELERATE": "0"}, "call check: Python (accelerate is off: ARNORM_ACCELERATE=0"),
+        ({"ARNORM_CHECK_CALLS": "1"}, "call check: Python, with every call compared across ranks"),
+    ],
+)
+def test_doctor_says_which_call_check_the_settings_choose(capsys, clean_env, env, says):
+    """doctor's call-check line follows ARNORM_ACCELERATE and ARNORM_CHECK_CALLS, not only the helper."""
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    rc, out = run(capsys, "doctor")
+    assert rc == 0 and (says in out or "the C helper is absent" in out)
 
 
 @pytest.mark.slow
