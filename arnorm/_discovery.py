@@ -117,6 +117,9 @@ class Registry:
 
     def __init__(self) -> None:
         self._infos: dict[str, BackendInfo] = {}
+        self._core: set[str] = set()  # names registered by arnorm's own distribution
+        self._contested: set[str] = set()  # names two plugins claimed: broken for good
+        self._claims: dict[str, str] = {}  # name -> the plugins that claimed it, with their packages
 
     @classmethod
     def discover(cls) -> Registry:
@@ -163,17 +166,34 @@ class Registry:
             self.add(spec, plugin=plugin, distribution=distribution)
 
     def add(self, spec: BackendSpec, plugin: str = "<code>", distribution: str | None = None) -> None:
-        """Register ``spec``. A second backend of the same name, or a built-in name claimed by a
-        distribution other than arnorm, is reported as broken under ``<name>@<plugin>``."""
+        """Register ``spec``. A built-in name claimed by a distribution other than arnorm is reported
+        as broken under ``<name>@<plugin>``. A name two other plugins claim serves neither: which one
+        loads first depends on how their entry points sort, so ``ARNORM_BACKEND=<name>`` could run
+        the wrong package's code. The name is listed broken, with both plugins named."""
         known = self._infos.get(spec.name)
         if distribution is not None and distribution != CORE_DISTRIBUTION and spec.name in BUILTIN_NAMES:
             detail = f"name {spec.name!r} is reserved for arnorm's built-in backend (needs another name)"
             self._put(_broken(f"{spec.name}@{plugin}", plugin, detail))
             return
-        if known is not None and known.status != "broken":
-            detail = f"name {spec.name!r} is already registered by plugin {known.plugin!r}"
+        if spec.name in self._core:
+            owner = self._infos[spec.name].plugin
+            detail = f"name {spec.name!r} is already registered by arnorm's own plugin {owner!r}"
             self._put(_broken(f"{spec.name}@{plugin}", plugin, detail))
             return
+        who = repr(plugin) + (f" (package {distribution})" if distribution else "")
+        if known is not None and (known.status != "broken" or spec.name in self._contested):
+            plugins = self._claims.get(spec.name, repr(known.plugin)) + f" and {who}"
+            self._claims[spec.name] = plugins
+            self._contested.add(spec.name)
+            reason = (
+                f"name: {spec.name!r} claimed by plugins {plugins} (needs one plugin per name: uninstall one)"
+            )
+            warnings.warn(f"arnorm: backend {spec.name!r} is not used: {reason}", ArnormWarning, 3)
+            self._put(BackendInfo(spec.name, "broken", reason, None, None, known.plugin))
+            return
+        if distribution == CORE_DISTRIBUTION:
+            self._core.add(spec.name)
+        self._claims[spec.name] = who
         self._put(_info_for(spec, plugin))
 
     def _put(self, info: BackendInfo) -> None:

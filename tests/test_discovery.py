@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import arnorm
-from arnorm._discovery import ArnormWarning, Registry
+from arnorm._discovery import CORE_DISTRIBUTION, ArnormWarning, Registry
 from arnorm.plugin import BackendSpec, Capabilities
 
 
@@ -60,14 +60,36 @@ def test_hook_returning_garbage_is_broken():
     assert reg.get("odd").status == "broken"
 
 
-def test_duplicate_name_is_reported_not_replaced():
-    """A second backend claiming a taken name is broken; the first keeps the name."""
+def test_a_name_two_plugins_claim_serves_neither():
+    """Two third-party plugins claiming one name (which loads first is only entry-point order) leave it
+    broken, naming both, so ARNORM_BACKEND=<name> cannot run the other package's code; a third claim
+    is named too."""
     reg = Registry()
     spec = BackendSpec(name="dup", priority=1, capabilities=Capabilities(platforms={"cpu"}), loader="a:B")
-    reg.add(spec, plugin="first")
-    with pytest.warns(ArnormWarning, match="already registered"):
-        reg.add(spec, plugin="second")
-    assert reg.get("dup").plugin == "first"
+    reg.add(spec, plugin="mine", distribution="mine")
+    with pytest.warns(
+        ArnormWarning,
+        match=r"backend 'dup' is not used: name: 'dup' claimed by plugins 'mine' \(package mine\) ",
+    ):
+        reg.add(spec, plugin="aaa", distribution="aaa")
+    info = reg.get("dup")
+    assert info.status == "broken" and info.reason == (
+        "name: 'dup' claimed by plugins 'mine' (package mine) and 'aaa' (package aaa) (needs one plugin per "
+        "name: uninstall one)"
+    )
+    with pytest.warns(ArnormWarning, match=r"\(package aaa\) and 'zzz' \(package zzz\)"):
+        reg.add(spec, plugin="zzz", distribution="zzz")
+    assert reg.get("dup").status == "broken"
+
+
+def test_arnorm_keeps_its_own_names():
+    """A name arnorm's own distribution registered stays arnorm's; the other claim alone is broken."""
+    reg = Registry()
+    spec = BackendSpec(name="ours", priority=1, capabilities=Capabilities(platforms={"cpu"}), loader="a:B")
+    reg.add(spec, plugin="arnorm", distribution=CORE_DISTRIBUTION)
+    with pytest.warns(ArnormWarning, match="already registered by arnorm's own plugin 'arnorm'"):
+        reg.add(spec, plugin="other", distribution="other")
+    assert reg.get("ours").status == "available" and reg.get("ours@other").status == "broken"
 
 
 def test_loading_is_lazy():
