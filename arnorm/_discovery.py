@@ -104,7 +104,10 @@ def _info_for(spec: BackendSpec, plugin: str) -> BackendInfo:
 
 def _broken(name: str, plugin: str, detail: str) -> BackendInfo:
     warnings.warn(f"arnorm: backend plugin {plugin!r} is broken and was skipped: {detail}", ArnormWarning, 4)
-    return BackendInfo(name, "broken", f"plugin: {detail} (needs a working plugin)", None, None, plugin)
+    # A detail that already says what it needs ("... (needs another name)") is not told twice.
+    reason = f"plugin: {detail}" if detail.endswith(")") and "(needs " in detail else (
+        f"plugin: {detail} (needs a working plugin)")  # fmt: skip
+    return BackendInfo(name, "broken", reason, None, None, plugin)
 
 
 def _distribution(ep: Any) -> str | None:

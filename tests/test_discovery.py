@@ -82,6 +82,17 @@ def test_a_name_two_plugins_claim_serves_neither():
     assert reg.get("dup").status == "broken"
 
 
+def test_a_reserved_name_is_refused_once_with_its_fix():
+    """A foreign plugin claiming a built-in name is broken with one "(needs ...)": the name to change."""
+    reg = Registry()
+    spec = BackendSpec(name="triton", priority=1, capabilities=Capabilities(platforms={"cpu"}), loader="a:B")
+    with pytest.warns(ArnormWarning, match="reserved"):
+        reg.add(spec, plugin="mine", distribution="mine")
+    assert reg.get("triton@mine").reason == (
+        "plugin: name 'triton' is reserved for arnorm's built-in backend (needs another name)"
+    )
+
+
 def test_arnorm_keeps_its_own_names():
     """A name arnorm's own distribution registered stays arnorm's; the other claim alone is broken."""
     reg = Registry()
