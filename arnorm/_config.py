@@ -100,7 +100,7 @@ class Config(BaseSettings):
             super().__init__(**values)
         except ValidationError as exc:
             from_env = read_environment(PREFIX, [f for f in self._env_fields() if f not in values])
-            raise config_error(exc, PREFIX, from_env, "Config") from None
+            raise config_error(exc, PREFIX, from_env, "Config", type(self).model_fields) from None
 
     @classmethod
     def _env_fields(cls) -> list[str]:

@@ -68,13 +68,50 @@ def read_environment(prefix: str, fields: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def config_error(exc: ValidationError, prefix: str, from_env: Mapping[str, str], owner: str) -> ConfigError:
-    """A :class:`ConfigError` naming the variable (or the field set in code) of the first error."""
+#: pydantic error type -> what arnorm's message says is needed.
+_NEEDS = {
+    "bool_parsing": "a boolean: 1/0, true/false, yes/no or on/off",
+    "bool_type": "a boolean: 1/0, true/false, yes/no or on/off",
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "float_type": "a number",
+}
+
+
+def config_error(
+    exc: ValidationError, prefix: str, from_env: Mapping[str, str], owner: str, fields: Iterable[str] = ()
+) -> ConfigError:
+    """A :class:`ConfigError` naming the variable (or the field set in code) of the first error, in
+    arnorm's grammar ``<where>: <found> (needs <required>)``; ``fields``: the valid names, for a
+    misspelt one."""
     first = exc.errors()[0]
     field = str(first["loc"][0]) if first.get("loc") else "?"
     found = from_env.get(field, first.get("input"))
     where = prefix + field.upper() if field in from_env else f"{owner}.{field}"
-    return ConfigError(f"{where}: {found!r} ({first['msg'].lower()})")
+    kind, msg = first.get("type", ""), str(first["msg"])
+    bounds = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+              "less_than_equal": ("le", "<=")}  # fmt: skip
+    if kind in _NEEDS:
+        needs = f"needs {_NEEDS[kind]}"
+    elif kind in bounds and bounds[kind][0] in (first.get("ctx") or {}):
+        key, op = bounds[kind]
+        limit = first["ctx"][key]
+        needs = f"needs {op} {limit:g}" if isinstance(limit, float) else f"needs {op} {limit}"
+    elif kind == "extra_forbidden":
+        names = sorted(fields)
+        needs = f"needs one of: {', '.join(names)}" if names else "needs no settings: this backend has none"
+        return ConfigError(f"{where}: not a setting (needs {needs.removeprefix('needs ')})")
+    elif kind == "value_error":
+        inner = str((first.get("ctx") or {}).get("error", msg.removeprefix("Value error, ")))
+        # A validator's own message in arnorm's grammar ("x: y (needs z)") gives its "needs" part.
+        needs = (
+            inner[inner.index("(needs ") + 1 : -1] if inner.endswith(")") and "(needs " in inner else inner
+        )
+    else:
+        needs = msg[:1].lower() + msg[1:]
+    return ConfigError(f"{where}: {found!r} ({needs})")
 
 
 def backend_settings(spec: BackendSpec, overrides: Mapping[str, Any] | None) -> BackendSettings:
@@ -88,7 +125,9 @@ def backend_settings(spec: BackendSpec, overrides: Mapping[str, Any] | None) -> 
     try:
         return cls(**values)
     except ValidationError as exc:
-        raise config_error(exc, prefix, from_env, f"Config.settings[{spec.name!r}]") from None
+        raise config_error(
+            exc, prefix, from_env, f"Config.settings[{spec.name!r}]", cls.model_fields
+        ) from None
 
 
 _warned: set[str] = set()

@@ -53,7 +53,7 @@ class FlashInferSettings(BackendSettings):
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         if value is not None and not math.isfinite(value):
-            raise ValueError(f"{value} is not a finite number of MiB")
+            raise ValueError(f"max_size_mb: {value} (needs a finite number of MiB)")
         return value
 
 

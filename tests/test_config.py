@@ -52,8 +52,32 @@ def test_empty_backend_argument_is_rejected(clean_env):
 
 def test_unknown_field_is_rejected():
     """A misspelt field fails loudly, as a ConfigError naming it, instead of being ignored."""
-    with pytest.raises(ConfigError, match=r"Config.backends: 'x' \(extra inputs are not permitted"):
+    with pytest.raises(
+        ConfigError, match=r"^Config.backends: not a setting \(needs one of: accelerate, backend, "
+    ):
         Config(backends="x")  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "needs"),
+    [
+        ("ARNORM_CHECK_CALLS", "maybe", "a boolean: 1/0, true/false, yes/no or on/off"),
+        ("ARNORM_PROBE_TIMEOUT", "abc", "a number"),
+    ],
+)
+def test_malformed_values_say_what_is_needed(clean_env, variable, value, needs):
+    """A value pydantic cannot parse is told in arnorm's grammar, with the values accepted."""
+    clean_env.setenv(variable, value)
+    with pytest.raises(ConfigError) as err:
+        Config()
+    assert str(err.value) == f"{variable}: {value!r} (needs {needs})"
+
+
+def test_a_validators_own_needs_is_kept():
+    """A field validator's message in arnorm's grammar gives the error its "(needs ...)" part."""
+    with pytest.raises(ConfigError) as err:
+        Config(backend=5)  # type: ignore[arg-type]
+    assert str(err.value) == "Config.backend: 5 (needs a comma-separated string or a list of names)"
 
 
 @pytest.mark.parametrize(
