@@ -309,7 +309,12 @@ def run(args: argparse.Namespace) -> int:
     tokens = list(args.tokens) if args.tokens else parse_tokens(DEFAULT_TOKENS[cuda])
     quant = None if args.quant == "none" else args.quant
     problem = make_problem(world, args.hidden, args.dtype, quant, max(tokens), cuda)
-    names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else None
+    names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends is not None else None
+    if names == []:
+        raise UsageError(
+            f"--backends: {args.backends!r} names no backend (needs a name or a comma list; leave it out to "
+            "time every eligible backend)"
+        )
     backends, rejected = select_backends(problem, names)
     comm = "nccl" if cuda and (n_gpu >= world or torchrun) else "gloo"
     opts: dict[str, Any] = {

@@ -195,6 +195,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from arnorm._select import Preference, explain_locally, load_settings
 
     problem = problem_from_args(args)
+    if args.backend is not None and not [n for n in args.backend.split(",") if n.strip()]:
+        raise UsageError(f"--backend: {args.backend!r} names no backend (needs a name or a comma list; "
+                         "leave it out for auto)")  # fmt: skip
     check_settings(args.backend)
     config = load_config()
     registry = get_registry()

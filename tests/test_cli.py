@@ -411,6 +411,19 @@ def test_malformed_setting_is_a_one_line_error(capsys, clean_env, variable, argv
     assert err.startswith(f"arnorm {argv[0]}: error: {variable}: 'abc' (") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [(["explain", "--backend", ""], "--backend"), (["explain", "--backend", ","], "--backend"),
+     (["bench", "--tp", "2", "--hidden", "64", "--backends", ","], "--backends")],
+)  # fmt: skip
+def test_a_backend_list_naming_nothing_is_a_usage_error(capsys, clean_env, argv, option):
+    """An empty --backend / --backends is a one-line usage error that says how to get auto mode."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"arnorm {argv[0]}: error: {option}: {argv[-1]!r} names no backend (needs a name")
+    assert "leave it out" in err and err.count("\n") == 1
+
+
 def test_bench_output_path_is_checked_before_the_run(capsys, tmp_path):
     """--json / --plot into a missing directory is a usage error before anything is timed."""
     bad = str(tmp_path / "missing" / "x.json")
