@@ -155,8 +155,11 @@ def agree_call(
         error = str(exc) if isinstance(exc, InvalidInputError) else f"{type(exc).__name__}: {exc}"
     mine = (seq, fingerprint(hidden_states), fingerprint(residual), fingerprint(weight), scale is None, error)
     seen = comm.gather_objects(mine)
-    if all(s == seen[0] for s in seen) and not error and not any(s[-1] for s in seen):
-        return
+    if all(s == seen[0] for s in seen):
+        if not error:
+            return
+        # The same call, rejected the same way on every rank (or the only rank): that is the error.
+        raise InvalidInputError(error)
     detail = "; ".join(
         f"rank {r}: call {s[0]}, hidden_states {s[1]}, residual {s[2]}, weight {s[3]}, "
         f"scale {'none' if s[4] else 'given'}" + (f", rejected: {s[5]}" if s[5] else "")

@@ -305,6 +305,16 @@ def test_fused_allreduce_norm_names_hidden_states(clean_env, hidden, message):
         arnorm.fused_allreduce_norm(hidden(x), r, w, group=arnorm.LOCAL, eps=1e-6)
 
 
+def test_check_calls_at_tp1_reports_the_rejection_itself(clean_env):
+    """ARNORM_CHECK_CALLS=1 with one rank (or every rank alike) rejecting a call raises that rejection,
+    not a claim that ranks differ."""
+    clean_env.setenv("ARNORM_CHECK_CALLS", "1")
+    x, r, w = inputs(dtype=torch.bfloat16)
+    with make(dtype=torch.bfloat16) as op, pytest.raises(arnorm.InvalidInputError) as err:
+        op(x, r, w.float())
+    assert str(err.value) == "weight: dtype torch.float32 (needs torch.bfloat16, the op's dtype)"
+
+
 def test_a_call_with_no_tokens_is_told_to_skip_it(clean_env):
     """0 tokens: the fix is to skip the call (a larger max_tokens is the fix only for too many)."""
     x, r, w = inputs()
