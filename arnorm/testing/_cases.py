@@ -9,6 +9,7 @@ build, raised in the call, returned the wrong outputs). The decision reads the s
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 import zlib
 from dataclasses import dataclass
@@ -23,10 +24,22 @@ from arnorm.testing._compare import (
     nearest_two_rounding_normed,
 )
 
-__all__ = ["SKIP_STATUSES", "Case", "CaseResult", "bad_inputs_then_good", "exact_inputs", "run_cases"]
+__all__ = [
+    "PADDING",
+    "SKIP_STATUSES",
+    "Case",
+    "CaseResult",
+    "bad_inputs_then_good",
+    "exact_inputs",
+    "run_cases",
+]
 
 #: Verdicts that mean "ineligible on this machine": the case is skipped, with the reasons.
 SKIP_STATUSES = frozenset({"incompatible"})
+#: Strided cases: (extra columns, their value) of the buffers ``hidden_states`` and ``residual`` are
+#: ``[:, :H]`` views of. The widths differ, so a backend that takes one row stride for both is seen;
+#: the values are far from the inputs, so one that reads the padding is seen too.
+PADDING = {"hidden_states": (64, -7.5), "residual": (32, 5.25)}
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,11 @@ class Case:
     weight_offset: float
     round_before_weight: bool = False
     add_residual: bool = True
+    #: The op's build options (``AllReduceNorm(inplace=, normed_output=)``).
+    inplace: bool = True
+    normed_output: bool = True
+    #: ``hidden_states`` and ``residual`` are ``[:, :H]`` views of wider buffers (row stride above H).
+    strided: bool = False
 
     @property
     def id(self) -> str:
@@ -49,7 +67,11 @@ class Case:
             q += f"/{self.layout}"
         rbw = "-rbw" if self.round_before_weight else ""
         nores = "" if self.add_residual else "-nores"
-        return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-b{self.weight_offset:g}{rbw}{nores}"
+        copy = "" if self.inplace else "-notinplace"
+        nonormed = "" if self.normed_output else "-nonormed"
+        strided = "-strided" if self.strided else ""
+        variant = f"{rbw}{nores}{copy}{nonormed}{strided}"
+        return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-b{self.weight_offset:g}{variant}"
 
 
 @dataclass(frozen=True)
@@ -121,6 +143,8 @@ def build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, 
             backend=backend,
             device=device,
             add_residual=case.add_residual,
+            inplace=case.inplace,
+            normed_output=case.normed_output,
         )
     except arnorm.SelectionError as exc:
         verdict = exc.explanation.verdict(backend) if exc.explanation is not None else None
@@ -139,38 +163,133 @@ def build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, 
     return op, None
 
 
+def _what(value: Any) -> str:
+    """``None``, ``a tuple of 3 items``, ``a Tensor``: what a backend handed back, in a message."""
+    if value is None:
+        return "None"
+    if isinstance(value, tuple):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
 def _shape_error(name: str, tensor: Any, shape: tuple[int, ...], dtype: Any) -> str:
-    if tensor is None:
-        return f"{name}: None (needs a tensor {list(shape)} {str(dtype).removeprefix('torch.')})"
+    import torch
+
+    want = f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+    if not isinstance(tensor, torch.Tensor):
+        return f"{name}: {_what(tensor)} (needs a tensor {want})"
     if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
         found = f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
-        return f"{name}: {found} (needs {list(shape)} {str(dtype).removeprefix('torch.')})"
+        return f"{name}: {found} (needs {want})"
     return ""
 
 
-def _check(case: Case, op: Any, rank: int, world: int, device: Any) -> CaseResult:
-    """One call on exact inputs, compared with the reference steps of :mod:`arnorm.plugin`."""
+def _padded(t: Any, arg: str) -> tuple[Any, Any]:
+    """``(buffer, view)``: ``t`` copied into the first columns of a wider buffer of :data:`PADDING`."""
     import torch
 
-    from arnorm.plugin import add_rmsnorm, format_spec, rank_order_sum
+    extra, value = PADDING[arg]
+    rows, cols = t.shape
+    buf = torch.full((rows, cols + extra), value, dtype=t.dtype, device=t.device)
+    buf[:, :cols] = t
+    return buf, buf[:, :cols]
+
+
+def _shares_memory(a: Any, b: Any) -> bool:
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def _layout_problems(case: Case, out: Any, x: Any, x_before: Any, buffers: dict[str, Any]) -> list[str]:
+    """Where the call wrote what it must not have, or returned hidden_states where it must not."""
+    import torch
+
+    problems = []
+    got = out.residual if isinstance(out.residual, torch.Tensor) else None
+    if case.inplace:
+        if got is not None and got.data_ptr() != x.data_ptr():
+            problems.append("Output.residual: a new tensor (needs hidden_states itself: the op is in place)")
+    else:
+        if got is not None and _shares_memory(got, x):
+            problems.append(
+                "Output.residual: hidden_states' memory (needs a new tensor: the op was built with "
+                "inplace=False)"
+            )
+        if not torch.equal(x, x_before):
+            problems.append(
+                "hidden_states: written by the call (needs it unchanged: the op was built with inplace=False)"
+            )
+    t, h = case.tokens, case.hidden
+    for arg, buf in buffers.items():
+        extra, value = PADDING[arg]
+        pad = buf[:, h:]
+        if not torch.equal(pad, torch.full_like(pad, value)):
+            problems.append(
+                f"{arg}: written past its [{t}, {h}] view, in the padding of its buffer (row stride "
+                f"{h + extra}; needs only the view's elements written)"
+            )
+    return problems
+
+
+def _twin_normed(twin: Any, x: Any, residual: Any, weight: Any, scale: Any) -> tuple[Any, str]:
+    """The normed output of the op's ``normed_output=True`` twin on the same inputs: ``(normed, "")``
+    or ``(None, what went wrong)``."""
+    import torch
+
+    from arnorm.plugin import Output
+
+    what = "the same op built with normed_output=True (its normed output judges the quant output)"
+    try:
+        out = twin(x, residual, weight, scale)
+    except Exception:
+        return None, f"{what} raised:\n{traceback.format_exc()}"
+    if not isinstance(out, Output) or not isinstance(out.normed, torch.Tensor):
+        return None, f"{what}: returned {_what(out)} (needs an arnorm.plugin.Output with a normed tensor)"
+    return out.normed, ""
+
+
+def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = None) -> CaseResult:
+    """One call on exact inputs, compared with the reference steps of :mod:`arnorm.plugin`.
+
+    ``twin``: for a ``normed_output=False`` case, the same op with a normed output; the quantized
+    output is judged against ``arnorm.quant`` of that op's normed output on the same inputs.
+    """
+    import torch
+
+    from arnorm.plugin import Output, QuantizedActivation, add_rmsnorm, format_spec, rank_order_sum
     from arnorm.quant import quantize
 
     partials, residual, weight, scale = exact_inputs(case, world, device)
     if not case.add_residual:
         residual = None
     x = partials[rank].clone()
+    buffers: dict[str, Any] = {}
+    if case.strided:
+        buffers["hidden_states"], x = _padded(x, "hidden_states")
+        if residual is not None:
+            buffers["residual"], residual = _padded(residual, "residual")
     residual_before = None if residual is None else residual.clone()
     weight_before = weight.clone()
     try:
         out = op(x, residual, weight, scale)
     except Exception:
         return CaseResult(case, "error", error=f"the call raised:\n{traceback.format_exc()}")
+    if not isinstance(out, Output):
+        return CaseResult(
+            case,
+            "error",
+            error=f"what {op.backend}'s __call__ returned: {_what(out)} "
+            "(needs an arnorm.plugin.Output(normed, residual, quant))",
+        )
     dtype = getattr(torch, case.dtype)
     shape = (case.tokens, case.hidden)
     problems = [_shape_error("Output.residual", out.residual, shape, dtype)]
-    problems.append(_shape_error("Output.normed", out.normed, shape, dtype))
-    if out.residual is not None and out.residual.data_ptr() != x.data_ptr():
-        problems.append("Output.residual: a new tensor (needs hidden_states itself: the op is in place)")
+    if case.normed_output:
+        problems.append(_shape_error("Output.normed", out.normed, shape, dtype))
+    elif out.normed is not None:
+        problems.append(
+            f"Output.normed: {_what(out.normed)} (needs None: the op was built with normed_output=False)"
+        )
+    problems += _layout_problems(case, out, x, partials[rank], buffers)
     if residual is not None and residual_before is not None and not torch.equal(residual, residual_before):
         problems.append(
             "residual: written by the call (needs it unchanged: only hidden_states may be written)"
@@ -180,8 +299,11 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any) -> CaseResul
     if case.quant is not None:
         spec = format_spec(case.quant)
         got_q = out.quant
-        if got_q is None:
-            problems.append(f"Output.quant: None (needs the {case.quant} output)")
+        if not isinstance(got_q, QuantizedActivation):
+            problems.append(
+                f"Output.quant: {_what(got_q)} (needs the {case.quant} output, an "
+                "arnorm.plugin.QuantizedActivation)"
+            )
         else:
             data_dtype = getattr(torch, spec.data_dtype)
             problems.append(
@@ -198,28 +320,57 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any) -> CaseResul
         case.weight_offset,
         case.round_before_weight,
     )
-    if case.round_before_weight and out.normed is not None:
-        y = nearest_two_rounding_normed(out.normed, h, weight_before, 1e-6, case.weight_offset)
-    result = CaseResult(case, "ran", residual=compare(out.residual, h), normed=compare(out.normed, y))
+    normed = None
+    if case.normed_output:
+        if case.round_before_weight:
+            y = nearest_two_rounding_normed(out.normed, h, weight_before, 1e-6, case.weight_offset)
+        normed = compare(out.normed, y)
+    result = CaseResult(case, "ran", residual=compare(out.residual, h), normed=normed)
     if case.quant is None:
         return result
     # The quantizer is judged on the backend's own normed output: a 1-ulp normed difference must
     # not count twice.
-    expect = quantize(out.normed, case.quant, scale=scale, layout=op.problem.scale_layout)
-    codes = compare_codes(out.quant.data, expect.data, packed_fp4=case.quant == "nvfp4")
-    scales = first_difference(out.quant.scale, expect.scale)
-    return CaseResult(case, "ran", residual=result.residual, normed=result.normed, codes=codes, scales=scales)
+    own: Any = out.normed
+    quant_out: Any = out.quant  # checked above: a QuantizedActivation of the right shape
+    if not case.normed_output:
+        own, error = _twin_normed(
+            twin,
+            partials[rank].clone(),
+            None if residual_before is None else residual_before.clone(),
+            weight_before,
+            scale,
+        )
+        if own is None:
+            return CaseResult(case, "error", error=error)
+    expect = quantize(own, case.quant, scale=scale, layout=op.problem.scale_layout)
+    codes = compare_codes(quant_out.data, expect.data, packed_fp4=case.quant == "nvfp4")
+    scales = first_difference(quant_out.scale, expect.scale)
+    return dataclasses.replace(result, codes=codes, scales=scales)
 
 
 def run_case(backend: str, case: Case, rank: int, world: int, device: Any) -> CaseResult:
     """Build the backend strictly for ``case``, run it once, compare with the reference math."""
-    op, failed = build(backend, case, device, max(64, case.tokens))
+    max_tokens = max(64, case.tokens)
+    op, failed = build(backend, case, device, max_tokens)
     if failed is not None:
         return failed
+    twin = None
     try:
-        return _check(case, op, rank, world, device)
+        if not case.normed_output:
+            twin, failed = build(backend, dataclasses.replace(case, normed_output=True), device, max_tokens)
+            if failed is not None:
+                why = failed.error or f"{failed.status}: " + "; ".join(failed.reasons)
+                return CaseResult(
+                    case,
+                    "error",
+                    error=f"the same op built with normed_output=True (its normed output judges the "
+                    f"quant output): {why}",
+                )
+        return _check(case, op, rank, world, device, twin)
     finally:
         op.close()
+        if twin is not None:
+            twin.close()
 
 
 def _device(device: str) -> Any:

@@ -14,9 +14,15 @@ ranks (gloo on CPU; CUDA tensors over gloo or NCCL on GPUs), it checks the numer
 (docs/numerics.md): the residual bit for bit (inputs are chosen so every correct reduction order
 gives the same sum), the normed output within ``normed_ulps``, the quantized output equal to
 ``arnorm.quant`` applied to the backend's own normed output (``quant_mismatch`` allows a fraction
-of codes off, for fast-math kernels); the residual is ``hidden_states`` itself (in place) and the
-residual and weight inputs are left unwritten. Bad inputs must raise ``InvalidInputError`` on every
-rank and leave the op usable.
+of codes off, for fast-math kernels); the call returns an ``arnorm.plugin.Output``; the residual is
+``hidden_states`` itself (in place) and the residual and weight inputs are left unwritten. A few
+more cases, for the first declared dtype at the largest shape, check the op's other forms: built
+with ``inplace=False`` (``hidden_states`` left unwritten, the residual a new tensor), with
+``normed_output=False`` (no normed output; the quantized output judged against the normed output
+of the same op built with one), and, where the backend declares ``strided_rows``,
+``hidden_states`` and ``residual`` that are ``[:, :H]`` views of wider buffers (nothing written
+outside the views). Bad inputs must raise ``InvalidInputError`` on every rank and leave the op
+usable.
 
 What fails and what skips:
 
@@ -24,10 +30,11 @@ What fails and what skips:
   raises or hangs; it breaks the protocol; ``create()`` fails (``setup_failed``); a call raises or
   returns wrong values; ranks end differently.
 - **skips**, with the reasons: the backend is not installed or too old (``not_installed``,
-  ``outdated``), or every case at a world size is ``incompatible`` on this machine (its declared
-  capabilities or its probe rule it out, e.g. a CUDA backend on a CPU host). A single declared case
-  that is incompatible here (nvfp4 on a GPU older than the backend's floor) is left out silently
-  while others run.
+  ``outdated``), a world size of ``world_sizes`` is not one the backend declares, or every case at
+  a world size is ``incompatible`` on this machine (its declared capabilities or its probe rule it
+  out, e.g. a CUDA backend on a CPU host). A single declared case that is incompatible here (nvfp4
+  on a GPU older than the backend's floor) is left out silently while others run. (A world size of
+  the tests' parameters, 1, 2 and 4, that is not in ``world_sizes`` is skipped, whatever ``require``.)
 - ``require = True`` turns those skips into failures: set it where the backend must run (its
   own CI on its hardware, e.g. ``require = torch.cuda.is_available()``), so that a lost
   dependency or a probe that started rejecting cannot pass as skipped.
@@ -38,6 +45,7 @@ fails the test within seconds with its traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, ClassVar
 
@@ -51,6 +59,8 @@ __all__ = ["ConformanceSuite"]
 LAYOUTS = {"nvfp4": ("swizzled_128x4", "linear"), "mxfp8": ("linear", "swizzled_128x4")}
 #: Registry statuses that mean "not usable on this machine" rather than "broken".
 ABSENT = frozenset({"not_installed", "outdated"})
+#: A declared (dtype, format, scale layout, hidden multiple).
+Combo = tuple[str, str | None, str | None, int]
 
 
 def _device() -> str:
@@ -67,7 +77,24 @@ def _hidden(h: int, multiple: int, caps: Any) -> int | None:
 
 
 class ConformanceSuite:
-    """Base class: set ``backend``; override the class attributes to narrow or widen the sweep."""
+    """Base class: set ``backend``; override the class attributes to narrow or widen the sweep.
+
+    Class attributes:
+
+    - ``backend``: the registered name of the backend under test (required).
+    - ``world_sizes``: the numbers of ranks to run, among 1, 2 and 4 (default ``(1, 2)``).
+    - ``shapes``: the ``(tokens, hidden)`` problems of the sweep; a hidden size is raised to the
+      backend's ``min_hidden`` and rounded up to its multiples (default ``((1, 256), (7, 512),
+      (33, 256))``).
+    - ``normed_ulps``: how many ulps a bf16 / fp16 normed output may be off (default 1);
+      ``normed_ulps_fp32`` the same for fp32 (default 8).
+    - ``quant_mismatch``: the fraction of quantized codes allowed off (default 0.0), each at most
+      ``quant_max_code_diff`` steps (default 0); for fast-math kernels.
+    - ``quant_scales_exact``: whether the scales the kernel computes must be bitwise those of
+      ``arnorm.quant`` (default ``True``; ``False`` holds approximate dividers to their codes only).
+    - ``require``: fail instead of skip (default ``False``; see the module docstring).
+    - ``timeout``: seconds a multi-rank run may take before it fails (default 300).
+    """
 
     backend: ClassVar[str] = ""
     world_sizes: ClassVar[tuple[int, ...]] = (1, 2)
@@ -119,12 +146,14 @@ class ConformanceSuite:
     def cases(cls) -> list[Case]:
         """Every declared (dtype, format, layout), at each shape; the norms rotate through the
         declared weight offsets, with ``round_before_weight`` and ``add_residual=False`` where the
-        backend declares them."""
+        backend declares them. Then a few cases of the op's other build options and call layouts
+        (:meth:`_variant_cases`)."""
         caps = cls.spec().capabilities
         from arnorm.plugin import format_spec
 
         offsets = sorted(caps.weight_offsets) if caps.weight_offsets is not None else [0.0, 1.0]
         out = []
+        combos: list[Combo] = []
         for dtype in sorted(caps.dtypes):
             for quant in sorted(caps.quant):
                 q = None if quant == "none" else quant
@@ -136,6 +165,7 @@ class ConformanceSuite:
                     lay for lay in LAYOUTS.get(quant, (None,)) if lay is None or lay in caps.scale_layouts
                 ]
                 for layout in layouts:
+                    combos.append((dtype, q, layout, multiple))
                     for i, (t, h) in enumerate(cls.shapes):
                         hidden = _hidden(h, multiple, caps)
                         if hidden is None:
@@ -144,6 +174,32 @@ class ConformanceSuite:
                         nores = caps.residual_free and i % 4 == 1
                         offset = float(offsets[i % len(offsets)])
                         out.append(Case(t, hidden, dtype, q, layout, offset, rbw, not nores))
+        return out + cls._variant_cases(combos, float(offsets[0]))
+
+    @classmethod
+    def _variant_cases(cls, combos: list[Combo], offset: float) -> list[Case]:
+        """One case each, at the shape of ``shapes`` with the most tokens, for the first declared
+        dtype (and format ``none`` where declared): an op built with ``inplace=False``; one built
+        with ``normed_output=False`` (for the first declared quant format); and, where the backend
+        declares ``strided_rows``, ``hidden_states`` and ``residual`` that are ``[:, :H]`` views of
+        wider buffers (two different row strides)."""
+        caps = cls.spec().capabilities
+        if not combos or not cls.shapes:
+            return []
+        tokens, h = max(cls.shapes, key=lambda s: s[0])
+        plain = next((c for c in combos if c[1] is None), combos[0])
+        quant = next((c for c in combos if c[1] is not None), None)
+        wanted: list[tuple[Combo, dict[str, Any]]] = [(plain, {"inplace": False})]
+        if quant is not None:
+            wanted.append((quant, {"normed_output": False}))
+        if caps.strided_rows:
+            wanted.append((plain, {"strided": True, "tokens": max(tokens, 3)}))
+        out = []
+        for (dtype, q, layout, multiple), options in wanted:
+            hidden = _hidden(h, multiple, caps)
+            if hidden is not None:
+                case = Case(tokens, hidden, dtype, q, layout, offset)
+                out.append(dataclasses.replace(case, **options))
         return out
 
     @classmethod
@@ -190,7 +246,7 @@ class ConformanceSuite:
             pytest.skip(f"world size {world} not in {type(self).__name__}.world_sizes {self.world_sizes}")
         undeclared = self._declared_world(world)
         if undeclared:
-            pytest.skip(f"{self.backend}: {undeclared}")
+            self._skip(undeclared)
         rows = self.results(world)
         if not rows:
             pytest.fail(
@@ -236,10 +292,12 @@ class ConformanceSuite:
     def _judge(self, r: CaseResult) -> list[str]:
         out = []
         if r.residual is not None:
-            out.append(
-                r.residual.describe("residual", "0: bitwise")
-                + " (hint: round the reduced sum to the dtype before the residual add, docs/numerics.md)"
+            hint = (
+                "read row i of hidden_states and residual at i * stride(0), not i * H"
+                if r.case.strided
+                else "round the reduced sum to the dtype before the residual add, docs/numerics.md"
             )
+            out.append(r.residual.describe("residual", "0: bitwise") + f" (hint: {hint})")
         allowed = self.normed_ulps_fp32 if r.case.dtype == "float32" else self.normed_ulps
         if r.normed is not None and r.normed.max_ulps > allowed:
             out.append(r.normed.describe("normed", f"{allowed} ulp"))
@@ -256,15 +314,18 @@ class ConformanceSuite:
 
     def test_bad_inputs_raise_everywhere_and_leave_op_usable(self) -> None:
         """Bad calls raise InvalidInputError on every rank before any collective; a good call still works."""
-        world = max(self.world_sizes)
-        ran = [r for r in self._ran(min(self.world_sizes)) if r.outcome == "ran"]
+        declared = [w for w in self.world_sizes if not self._declared_world(w)] or [min(self.world_sizes)]
+        world = max(declared)
+        ran = [
+            r
+            for r in self._ran(min(declared))
+            if r.outcome == "ran" and r.case.normed_output and not r.case.strided
+        ]
         if not ran:
             pytest.fail(
                 f"{self.backend}: no case ran cleanly, so bad inputs cannot be tested "
                 "(see test_matches_reference)"
             )
-        if self._declared_world(world):
-            world = min(self.world_sizes)
         case = ran[0].case
         per_rank = self._run(world, bad_inputs_then_good, self.backend, case, _device())
         failures: list[str] = []

@@ -1,8 +1,9 @@
 """The conformance suite fails what it should fail and skips only what is merely ineligible here.
 
 One pytest subprocess runs the suite against the fixture backends of
-tests/plugins/conformance (each wrong in one known way), found through their entry point on
-PYTHONPATH; the outcome and message of every test are read from its JUnit XML report.
+tests/plugins/conformance and the planted backends of testing_rank_fns (``pl_*``, served
+through an entry point written here), each wrong in one known way, found through their entry
+points on PYTHONPATH; the outcome and message of every test are read from its JUnit XML report.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ import pytest
 pytestmark = pytest.mark.slow
 
 FIXTURES = Path(__file__).resolve().parents[1] / "plugins" / "conformance"
+#: The folder of testing_rank_fns, whose hook declares the planted backends.
+HERE = Path(__file__).resolve().parent
+#: A distribution in installed form whose entry point names testing_rank_fns.
+PLANTED = {
+    "arnorm_conformance_planted-0.1.dist-info/METADATA": (
+        "Metadata-Version: 2.1\nName: arnorm-conformance-planted\nVersion: 0.1\n"
+    ),
+    "arnorm_conformance_planted-0.1.dist-info/entry_points.txt": (
+        "[arnorm.backends]\nconformance_planted = testing_rank_fns\n"
+    ),
+}
 
 SUITES = """
 from arnorm.testing import ConformanceSuite
@@ -83,6 +95,52 @@ class TestNotInstalledRequired(ConformanceSuite):
 class TestUnregistered(ConformanceSuite):
     backend = "cf_no_such_backend"
     world_sizes = (1,)
+
+
+class TestPlantedCorrect(ConformanceSuite):
+    backend = "pl_correct"
+    world_sizes = (1,)
+
+
+class TestWritesInput(ConformanceSuite):
+    backend = "pl_writes_input"
+    world_sizes = (1,)
+
+
+class TestContiguousRows(ConformanceSuite):
+    backend = "pl_contiguous_rows"
+    world_sizes = (1,)
+
+
+class TestWritesPacked(ConformanceSuite):
+    backend = "pl_writes_packed"
+    world_sizes = (1,)
+
+
+class TestQuantizesResidual(ConformanceSuite):
+    backend = "pl_quantizes_residual"
+    world_sizes = (1,)
+
+
+class TestReturnsTuple(ConformanceSuite):
+    backend = "pl_returns_tuple"
+    world_sizes = (1,)
+
+
+class TestReturnsNone(ConformanceSuite):
+    backend = "pl_returns_none"
+    world_sizes = (1,)
+
+
+class TestUndeclaredWorld(ConformanceSuite):
+    backend = "pl_only_four_ranks"
+    world_sizes = (1, 2)
+
+
+class TestUndeclaredWorldRequired(ConformanceSuite):
+    backend = "pl_only_four_ranks"
+    world_sizes = (1, 2)
+    require = True
 """
 
 
@@ -91,8 +149,12 @@ def report(tmp_path_factory) -> dict[str, tuple[str, str]]:
     """``{"TestClass.test_name[param]": (outcome, message)}`` from one run of SUITES."""
     root = tmp_path_factory.mktemp("suite")
     (root / "test_fixture_suites.py").write_text(SUITES)
+    for name, text in PLANTED.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARNORM_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), env.get("PYTHONPATH", "")) if p)
+    paths = (str(FIXTURES), str(root), str(HERE), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     xml = root / "report.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root)]
     cmd += [f"--junitxml={xml}", str(root / "test_fixture_suites.py")]
@@ -118,6 +180,11 @@ def _outcomes(report, cls: str) -> dict[str, str]:
 
 def _message(report, key: str) -> str:
     return report[key][1]
+
+
+def _failed_cases(message: str) -> set[str]:
+    """The ids of the cases a test_matches_reference failure lists (its lines ``<case id>: ...``)."""
+    return {line.split(": ", 1)[0] for line in message.splitlines() if line.startswith("bfloat16-")}
 
 
 def test_correct_backend_passes_on_one_and_two_ranks(report):
@@ -206,3 +273,77 @@ def test_unregistered_backend_fails(report):
     """A misspelt or uninstalled backend name fails (it is not silently skipped)."""
     outcome, message = report["TestUnregistered.test_declares_and_loads"]
     assert outcome == "failed" and "'cf_no_such_backend' is not registered" in message, message
+
+
+def test_planted_base_passes_every_variant(report):
+    """The planted backends' correct base passes, with its not-in-place, no-normed and strided cases."""
+    outcomes = _outcomes(report, "TestPlantedCorrect")
+    assert outcomes["test_matches_reference[1]"] == "passed", report[
+        "TestPlantedCorrect.test_matches_reference[1]"
+    ]
+    assert outcomes["test_bad_inputs_raise_everywhere_and_leave_op_usable"] == "passed", outcomes
+
+
+def test_writing_hidden_states_of_an_op_not_in_place_fails(report):
+    """A backend that writes the new residual into hidden_states on an inplace=False op fails."""
+    outcome, message = report["TestWritesInput.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    assert {c.rsplit("-", 1)[1] for c in _failed_cases(message)} == {"notinplace"}, message
+    assert (
+        "hidden_states: written by the call (needs it unchanged: the op was built with inplace=False)"
+        in message
+    )
+    assert "Output.residual: hidden_states' memory (needs a new tensor" in message, message
+
+
+def test_reading_strided_rows_as_contiguous_fails(report):
+    """A backend declaring strided_rows that reads rows as if contiguous fails the strided case."""
+    outcome, message = report["TestContiguousRows.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    assert "-strided: residual: " in message and " ulp off at [" in message, message
+    assert "(hint: read row i of hidden_states and residual at i * stride(0), not i * H)" in message
+    assert {c.rsplit("-", 1)[1] for c in _failed_cases(message)} == {"strided"}, message
+
+
+def test_writing_strided_rows_as_packed_fails(report):
+    """Writing a strided hidden_states as packed rows fails: the padding of its buffer was written."""
+    outcome, message = report["TestWritesPacked.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    assert "-strided: hidden_states: written past its [" in message, message
+    assert "(row stride " in message and "needs only the view's elements written)" in message, message
+    assert {c.rsplit("-", 1)[1] for c in _failed_cases(message)} == {"strided"}, message
+
+
+def test_quant_of_an_op_without_normed_output_is_judged(report):
+    """A backend whose quant output is wrong only when built with normed_output=False fails."""
+    outcome, message = report["TestQuantizesResidual.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    assert "-nonormed: quant codes: " in message and "step(s) off at [" in message, message
+    assert {c.rsplit("-", 1)[1] for c in _failed_cases(message)} == {"nonormed"}, message
+
+
+@pytest.mark.parametrize(
+    ("cls", "found"), [("TestReturnsTuple", "a tuple of 3 items"), ("TestReturnsNone", "None")]
+)
+def test_a_call_returning_something_else_than_an_output_fails_clearly(report, cls, found):
+    """A __call__ returning a tuple or None fails naming the backend, what it returned and what it must."""
+    outcome, message = report[f"{cls}.test_matches_reference[1]"]
+    backend = {"TestReturnsTuple": "pl_returns_tuple", "TestReturnsNone": "pl_returns_none"}[cls]
+    assert outcome == "failed", message
+    assert f"what {backend}'s __call__ returned: {found} " in message, message
+    assert "(needs an arnorm.plugin.Output(normed, residual, quant))" in message, message
+    assert "AttributeError" not in message, message
+
+
+def test_undeclared_world_sizes_skip_and_fail_with_require(report):
+    """World sizes the backend does not declare skip, and with require = True they fail instead."""
+    for world in (1, 2):
+        outcome, message = report[f"TestUndeclaredWorld.test_matches_reference[{world}]"]
+        assert outcome == "skipped" and f"world size {world} is not declared (declares [4])" in message
+        outcome, message = report[f"TestUndeclaredWorldRequired.test_matches_reference[{world}]"]
+        assert outcome == "failed", message
+        assert f"world size {world} is not declared (declares [4])" in message, message
+        assert "require = True: it must run here" in message, message
+    key = "TestUndeclaredWorldRequired.test_bad_inputs_raise_everywhere_and_leave_op_usable"
+    assert report[key][0] == "failed", report[key]
+    assert report["TestUndeclaredWorldRequired.test_declares_and_loads"][0] == "passed"
