@@ -350,3 +350,16 @@ def caller_outputs(rank: int, world: int, backend: str):
             (message, torch.equal(good.residual, plain.residual) and torch.equal(good.normed, plain.normed))
         )
     return results
+
+
+def not_inplace_leaves_hidden_states(rank: int, world: int, backend: str, dtype_name: str) -> bool:
+    """One call of an op built with inplace=False: is hidden_states unchanged afterwards?"""
+    dtype = getattr(torch, dtype_name)
+    partials, residual, weight = make_inputs(rank, world, 3, 64, dtype)
+    x = partials[rank].clone()
+    with arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD, hidden_size=64, dtype=dtype, norm=arnorm.RMSNorm(1e-6),
+        inplace=False, backend=backend, device="cpu", max_tokens=8,
+    ) as op:  # fmt: skip
+        op(x, residual, weight)
+    return bool(torch.equal(x, partials[rank]))

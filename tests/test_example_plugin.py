@@ -74,3 +74,14 @@ def test_strict_unsupported_format_names_the_reason(clean_env):
             device="cpu",
             norm=arnorm.RMSNorm(1e-6),
         )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_not_inplace_leaves_hidden_states_at_tp2(dtype):
+    """inplace=False at TP 2 leaves the caller's hidden_states as it was, fp32 included (.float() of
+    an fp32 tensor is the tensor itself, which the example's in-place sum once overwrote)."""
+    from arnorm.testing import run_ranks
+
+    import ranks_fixtures as rf
+
+    assert run_ranks(2, rf.not_inplace_leaves_hidden_states, "example", dtype) == [True, True]

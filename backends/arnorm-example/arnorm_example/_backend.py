@@ -30,7 +30,9 @@ class ExampleBackend:
     def __call__(self, hidden_states, residual, weight, scale):
         p = self.problem
         # Round the reduced sum to the dtype before the residual add: the contract's first rounding.
-        reduced = self.comm.all_reduce_(hidden_states.float()).to(hidden_states.dtype)
+        # A copy: for fp32 input .float() is hidden_states itself, which the in-place sum would
+        # overwrite, and an op built with inplace=False must leave it as it was.
+        reduced = self.comm.all_reduce_(hidden_states.to(torch.float32, copy=True)).to(hidden_states.dtype)
         h, y = self._norm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
