@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from arnorm._problem import Problem
 
@@ -65,6 +65,36 @@ class Capabilities(BaseModel):
     strided_rows: bool = False
     residual_free: bool = False
     caller_outputs: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Capabilities:
+        """Fields that contradict each other would make a backend that can never be chosen, or
+        that declares what it does not serve: refused where the plugin declares them."""
+        problems = []
+        for field in ("platforms", "dtypes", "quant", "scale_layouts"):
+            if not getattr(self, field):
+                problems.append(f"{field}: empty (needs at least one value: the backend could never serve)")
+        if self.world_sizes is not None:
+            if any(w < 1 for w in self.world_sizes):
+                problems.append(f"world_sizes: {sorted(self.world_sizes)} (needs sizes >= 1)")
+            elif not any(w >= self.min_world_size for w in self.world_sizes):
+                problems.append(
+                    f"world_sizes: {sorted(self.world_sizes)} all below min_world_size "
+                    f"{self.min_world_size} (needs one size >= min_world_size: the backend could never serve)"
+                )
+        for field in ("quant_dtypes", "quant_min_arch", "quant_hidden_multiple"):
+            stray = sorted(set(getattr(self, field)) - set(self.quant))
+            if stray:
+                problems.append(f"{field}: {', '.join(stray)} (needs formats in quant, {sorted(self.quant)})")
+        for fmt, dtypes in self.quant_dtypes.items():
+            if not dtypes <= self.dtypes:
+                want = sorted(self.dtypes)
+                problems.append(f"quant_dtypes[{fmt!r}]: {sorted(dtypes)} (needs a subset of dtypes, {want})")
+        if self.max_hidden is not None and self.max_hidden < self.min_hidden:
+            problems.append(f"max_hidden: {self.max_hidden} (needs >= min_hidden {self.min_hidden})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     def __hash__(self) -> int:
         return hash(tuple((k, _hashable(v)) for k, v in self))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -93,3 +94,43 @@ def test_capabilities_are_frozen_and_hashable():
     assert hash(FI) == hash(FI.model_copy())
     with pytest.raises(pydantic.ValidationError):
         FI.hidden_multiple = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"world_sizes": {1, 2}, "min_world_size": 4},
+         "world_sizes: [1, 2] all below min_world_size 4 (needs one size >= min_world_size"),
+        ({"quant_dtypes": {"nvfp4": {"bfloat16"}}}, "quant_dtypes: nvfp4 (needs formats in quant, ['none'])"),
+        ({"quant": {"nvfp4"}, "dtypes": {"bfloat16"}, "quant_dtypes": {"nvfp4": {"float16"}}},
+         "quant_dtypes['nvfp4']: ['float16'] (needs a subset of dtypes, ['bfloat16'])"),
+        ({"dtypes": set()}, "dtypes: empty (needs at least one value"),
+        ({"min_hidden": 512, "max_hidden": 256}, "max_hidden: 256 (needs >= min_hidden 512)"),
+    ],
+)  # fmt: skip
+def test_contradictory_capabilities_are_refused_where_declared(fields, reason):
+    """Fields that contradict each other (a backend never choosable, or declaring what it does not
+    serve) are refused at construction, and a plugin's failure says so on one line."""
+    from pydantic import ValidationError
+
+    from arnorm._discovery import plugin_failure
+
+    with pytest.raises(ValidationError) as err:
+        Capabilities(platforms=frozenset({"cpu"}), **fields)
+    assert plugin_failure(err.value).startswith("Capabilities: " + reason), plugin_failure(err.value)
+
+
+def test_a_misspelt_or_malformed_field_is_one_line_with_the_fix():
+    """A typo names the valid fields; a bad value says what is needed (no multi-line pydantic text)."""
+    from pydantic import ValidationError
+
+    from arnorm._discovery import plugin_failure
+
+    with pytest.raises(ValidationError) as err:
+        Capabilities(platforms=frozenset({"cpu"}), platfrms=1)  # type: ignore[call-arg]
+    assert plugin_failure(err.value).startswith(
+        "Capabilities.platfrms: not a field (needs one of: platforms, "
+    )
+    with pytest.raises(ValidationError) as err:
+        Capabilities(platforms=frozenset({"cpu"}), min_hidden="x")  # type: ignore[arg-type]
+    assert plugin_failure(err.value) == "Capabilities.min_hidden: 'x' (needs an integer)"
