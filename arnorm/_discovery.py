@@ -63,12 +63,11 @@ def _validation_line(model: str, error: Any) -> str:
         fields = list(Capabilities.model_fields) if model == "Capabilities" else []
         valid = f"one of: {', '.join(fields)}" if fields else "a declared field"
         return f"{where}: not a field (needs {valid})"
-    msg = str(error.get("msg", "")).removeprefix("Value error, ")
-    if error.get("type") == "value_error":
-        return f"{where}: {msg}"  # arnorm's own validators already speak the grammar
-    from arnorm._settings import _NEEDS
+    from arnorm._settings import pydantic_needs
 
-    needs = f"needs {_NEEDS[error['type']]}" if error.get("type") in _NEEDS else msg[:1].lower() + msg[1:]
+    needs = pydantic_needs(error)
+    if error.get("type") == "value_error":
+        return f"{where}: {needs}"  # arnorm's own validators already speak the grammar
     return f"{where}: {error.get('input')!r} ({needs})"
 
 

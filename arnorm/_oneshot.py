@@ -6,8 +6,10 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from arnorm._capabilities import join_or
 from arnorm._errors import InvalidInputError
 from arnorm._op import AllReduceNorm
+from arnorm._problem import DTYPES
 from arnorm._types import Output, RMSNorm
 
 if TYPE_CHECKING:
@@ -51,8 +53,8 @@ def fused_allreduce_norm(
         found = (f"shape {list(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
                  else type(hidden_states).__name__)  # fmt: skip
         raise InvalidInputError(f"hidden_states: {found} (needs a 2-D torch.Tensor [tokens, hidden])")
-    if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        needs = "torch.bfloat16, torch.float16 or torch.float32"
+    if str(hidden_states.dtype).removeprefix("torch.") not in DTYPES:
+        needs = join_or(f"torch.{d}" for d in DTYPES)
         raise InvalidInputError(f"hidden_states: dtype {hidden_states.dtype} (needs {needs})")
     t, h = hidden_states.shape
     norm = RMSNorm(eps, weight_offset, round_before_weight)

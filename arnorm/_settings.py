@@ -78,6 +78,23 @@ _NEEDS = {
     "float_parsing": "a number",
     "float_type": "a number",
 }
+#: pydantic bound error type -> (its ``ctx`` key, the comparison).
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+           "less_than_equal": ("le", "<=")}  # fmt: skip
+
+
+def pydantic_needs(error: Mapping[str, Any]) -> str:
+    """What one pydantic error says is needed, in arnorm's words (``needs an integer``, ``needs > 0``);
+    pydantic's own message, lower-cased, for a type without a wording here."""
+    kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    if kind in _NEEDS:
+        return f"needs {_NEEDS[kind]}"
+    if kind in _BOUNDS and _BOUNDS[kind][0] in ctx:
+        key, op = _BOUNDS[kind]
+        limit = ctx[key]
+        return f"needs {op} {limit:g}" if isinstance(limit, float) else f"needs {op} {limit}"
+    msg = str(error.get("msg", "")).removeprefix("Value error, ")
+    return msg[:1].lower() + msg[1:]
 
 
 def config_error(
@@ -90,27 +107,15 @@ def config_error(
     field = str(first["loc"][0]) if first.get("loc") else "?"
     found = from_env.get(field, first.get("input"))
     where = prefix + field.upper() if field in from_env else f"{owner}.{field}"
-    kind, msg = first.get("type", ""), str(first["msg"])
-    bounds = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
-              "less_than_equal": ("le", "<=")}  # fmt: skip
-    if kind in _NEEDS:
-        needs = f"needs {_NEEDS[kind]}"
-    elif kind in bounds and bounds[kind][0] in (first.get("ctx") or {}):
-        key, op = bounds[kind]
-        limit = first["ctx"][key]
-        needs = f"needs {op} {limit:g}" if isinstance(limit, float) else f"needs {op} {limit}"
-    elif kind == "extra_forbidden":
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
         names = sorted(fields)
-        needs = f"needs one of: {', '.join(names)}" if names else "needs no settings: this backend has none"
-        return ConfigError(f"{where}: not a setting (needs {needs.removeprefix('needs ')})")
-    elif kind == "value_error":
-        inner = str((first.get("ctx") or {}).get("error", msg.removeprefix("Value error, ")))
+        needs = f"one of: {', '.join(names)}" if names else "no settings: this backend has none"
+        return ConfigError(f"{where}: not a setting (needs {needs})")
+    needs = pydantic_needs(first)
+    if kind == "value_error" and needs.endswith(")") and "(needs " in needs:
         # A validator's own message in arnorm's grammar ("x: y (needs z)") gives its "needs" part.
-        needs = (
-            inner[inner.index("(needs ") + 1 : -1] if inner.endswith(")") and "(needs " in inner else inner
-        )
-    else:
-        needs = msg[:1].lower() + msg[1:]
+        needs = needs[needs.index("(needs ") + 1 : -1]
     return ConfigError(f"{where}: {found!r} ({needs})")
 
 

@@ -604,15 +604,19 @@ def main(argv: list[str] | None = None) -> int:
         graph_section(args, dev, fi, bw, report)
     report["seconds"] = elapsed()
     judge(report, bw)
-    stem = f"public-op-{report['date']}-{report['gpu'].replace(' ', '-').replace('(', '').replace(')', '')}"
-    out = pathlib.Path(args.out)
+    write_report(report, "public-op", markdown(report), args.out)
+    return 0
+
+
+def write_report(report: dict, prefix: str, text: str, out_dir: str) -> None:
+    """``<prefix>-<date>-<gpu>.md`` (``text``) and ``.json`` (``report``) in ``out_dir``; prints the table."""
+    stem = f"{prefix}-{report['date']}-{report['gpu'].replace(' ', '-').replace('(', '').replace(')', '')}"
+    out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown(report)
     (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(text)
     print(f"wrote {out / stem}.md and .json")
-    return 0
 
 
 if __name__ == "__main__":

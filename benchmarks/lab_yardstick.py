@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import pathlib
 import statistics
 import sys
 from typing import Any
@@ -159,14 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": args.tokens, "rounds": args.rounds, **measure(args, dev),
         }  # fmt: skip
     summarize(report)
-    stem = f"yardstick-{report['date']}-{report['gpu'].replace(' ', '-').replace('(', '').replace(')', '')}"
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(report)
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(text)
-    print(f"wrote {out / stem}.md and .json")
+    B.write_report(report, "yardstick", markdown(report), args.out)
     return 0
 
 
