@@ -190,12 +190,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     reasons (local check: no process group, no workspace)."""
     import dataclasses
 
-    from arnorm._config import load_config
+    from arnorm._config import load_config, parse_names
     from arnorm._discovery import get_registry
     from arnorm._select import Preference, explain_locally, load_settings
 
     problem = problem_from_args(args)
-    if args.backend is not None and not [n for n in args.backend.split(",") if n.strip()]:
+    if args.backend is not None and not parse_names(args.backend):
         raise UsageError(f"--backend: {args.backend!r} names no backend (needs a name or a comma list; "
                          "leave it out for auto)")  # fmt: skip
     check_settings(args.backend)

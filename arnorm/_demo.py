@@ -153,7 +153,6 @@ def run(args: argparse.Namespace) -> int:
     values = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in DEFAULTS.items()}
     if values["hidden"] % args.tp:
         raise UsageError(f"--hidden {values['hidden']}: not a multiple of --tp {args.tp} (needs H = k * TP)")
-    check_backend_names(args.backend)
     use_cuda = pick_device(args.device, args.tp) == "cuda"
     opts = {**values, "dtype": args.dtype, "backend": args.backend, "cuda": use_cuda}
     # NCCL needs one GPU per rank; with fewer GPUs the ranks share them over gloo (CUDA tensors).
