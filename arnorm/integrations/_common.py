@@ -15,12 +15,31 @@ __all__ = [
     "gemma_add_norm",
     "guard_backward",
     "norm_eps",
+    "warn_once",
 ]
 
 INFERENCE_ONLY = (
     "backward: reached a model rewired by arnorm (needs torch.no_grad() or torch.inference_mode(): "
     "the fused path computes no gradients; it is for inference only)"
 )
+
+
+#: Keys :func:`warn_once` has said (once per process).
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int, key: str | None = None) -> None:
+    """An :class:`arnorm.ArnormWarning` the first time ``key`` (default: the message) comes up in
+    this process: an integration that runs a call unfused says why once, not on every layer of
+    every step."""
+    key = message if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
+        import warnings
+
+        from arnorm._discovery import ArnormWarning
+
+        warnings.warn(message, ArnormWarning, stacklevel + 1)
 
 
 def norm_eps(norm: Any) -> float | None:

@@ -27,16 +27,14 @@ model's own norm module, the exact operations of the unfused model.
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from arnorm._discovery import ArnormWarning
 from arnorm._errors import InvalidInputError, NoEligibleBackendError
-from arnorm.integrations._common import guard_backward
+from arnorm.integrations._common import guard_backward, warn_once
 
 __all__ = ["Carry", "Step", "final_norm_forward", "layer_forward", "row_parallel_forward"]
 
@@ -136,13 +134,7 @@ class Step:
         else:
             shape = tuple(partial.shape)
             reason = f"partial sum: shape {shape} (needs [..., {self.hidden}], as the residual)"
-        if reason not in _WARNED:
-            _WARNED.add(reason)
-            warnings.warn(f"arnorm.integrations.transformers: a site ran unfused: {reason}", ArnormWarning, 3)
-
-
-#: Reasons already said by :meth:`Step._warn_unfused` (once per process).
-_WARNED: set[str] = set()
+        warn_once(f"arnorm.integrations.transformers: a site ran unfused: {reason}", 3)
 
 
 def row_parallel_forward(linear: torch.nn.Linear) -> Callable[..., torch.Tensor]:

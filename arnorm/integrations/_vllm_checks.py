@@ -3,12 +3,11 @@ op takes as they are; and the one-time warning that says why a call ran unfused.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
-from arnorm._discovery import ArnormWarning
+from arnorm.integrations._common import warn_once
 from arnorm.integrations._hf_inspect import NORMS
 
 __all__ = ["DTYPES", "not_gemma_reason", "uncallable_reason", "warn_unfused"]
@@ -18,7 +17,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Hugging Face families whose norm arnorm reproduces with ``weight_offset=0``.
 PLAIN_NORMS = frozenset({"RMSNorm", "RMSNormGated", *(n for n, (offset, _) in NORMS.items() if offset == 0)})
 _NOT_GEMMA: dict[type, str | None] = {}
-_WARNED: set[str] = set()
 
 
 def not_gemma_reason(norm: Any) -> str | None:
@@ -74,7 +72,5 @@ def uncallable_reason(hidden_states: Any, residual: Any, weight: Any) -> str | N
 def warn_unfused(entry: str, reason: str, stacklevel: int = 3) -> None:
     """Say once per distinct reason that ``entry`` ran unfused, and why (0-token calls are silent:
     there is nothing to fuse). ``stacklevel``: the caller of the entry point."""
-    if reason.startswith("hidden_states: 0 tokens") or reason in _WARNED:
-        return
-    _WARNED.add(reason)
-    warnings.warn(f"arnorm.integrations.vllm.{entry}: ran unfused: {reason}", ArnormWarning, stacklevel)
+    if not reason.startswith("hidden_states: 0 tokens"):
+        warn_once(f"arnorm.integrations.vllm.{entry}: ran unfused: {reason}", stacklevel, key=reason)

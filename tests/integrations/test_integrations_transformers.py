@@ -95,9 +95,9 @@ def test_local_fuse_is_bitwise_the_model(family, dtype):
 def test_a_site_unfused_by_autocast_says_why(monkeypatch):
     """Under bf16 autocast an fp32 fused model's partial sums are bf16: every site runs the model's own
     path (bitwise the model) and one ArnormWarning names the dtype found and the dtype needed."""
-    from arnorm.integrations import _hf_layers
+    from arnorm.integrations import _common
 
-    monkeypatch.setattr(_hf_layers, "_WARNED", set())
+    monkeypatch.setattr(_common, "_WARNED", set())
     model = hm.make("llama")
     ids = torch.tensor([[5, 17, 3, 42, 8, 11]])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import arnorm
-from arnorm.integrations import _vllm_checks as vllm_checks
+from arnorm.integrations import _common as integ_common
 from arnorm.integrations import _vllm_groups as vllm_groups
 from arnorm.integrations import vllm as av
 from arnorm.integrations._vllm_keys import format_of_key
@@ -24,7 +24,7 @@ def _fresh_state(monkeypatch):
     monkeypatch.setattr(vllm_groups, "VLLM_STATE", [])
     for name in ("vllm", "vllm.distributed", "vllm.distributed.parallel_state"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(vllm_checks, "_WARNED", set())
+    monkeypatch.setattr(integ_common, "_WARNED", set())
     av.configure()
     yield
     av.configure()
