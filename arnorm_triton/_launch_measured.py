@@ -1,8 +1,8 @@
 """Measured launch table rows (see :mod:`arnorm_triton._launch_table`); generated, do not edit.
 
 Measured on NVIDIA H200, 2026-12-04, torch 2.11.0+cu130, triton 3.6.0.
-Regenerate on the GPU with ``python benchmarks/bench_norm_quant.py --write-table`` (run
-by ``benchmarks/gpu_kernel_round.sh``), then commit this file.
+Regenerate on the GPU with ``python lab/bench_norm_quant.py --write-table`` (run
+by ``lab/gpu_kernel_round.sh``), then commit this file.
 """
 
 #: (cuda major, BLOCK, QUANT code, WRITE_NORMED, itemsize) -> ((t_max, num_warps), ...)

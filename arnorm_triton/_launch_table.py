@@ -1,7 +1,7 @@
 """Warps per row program, per (GPU family, row shape, format, outputs, token count): a fixed table.
 
-The rows are measured on real hardware (``benchmarks/gpu_kernel_round.sh`` runs
-``benchmarks/bench_norm_quant.py --tune``, which writes ``arnorm_triton/_launch_measured.py`` for
+The rows are measured on real hardware (``lab/gpu_kernel_round.sh`` runs
+``lab/bench_norm_quant.py --tune``, which writes ``arnorm_triton/_launch_measured.py`` for
 the GPU it runs on). Every TP rank reads the same table for the same call, so every rank launches
 the same grid with the same warp count (the warp count changes the order of the sum of squares,
 so ranks must agree on it; they do, by construction). Token buckets are powers of two: a row

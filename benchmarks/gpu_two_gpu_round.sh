@@ -28,7 +28,7 @@ nvidia-smi topo -m >> "$OUT/summary.txt" 2>&1
     > "$OUT/tests.log" 2>&1
   echo "multigpu exit $?" >> "$OUT/tests.log"
 ) &
-(timeout 120 python3 benchmarks/check_triton_symm.py precompile > /tmp/precompile.log 2>&1) &
+(timeout 120 python3 lab/check_triton_symm.py precompile > /tmp/precompile.log 2>&1) &
 wait
 timeout 90 python3 -m pytest -q -p no:cacheprovider -rA -k close_frees tests/arnorm_triton/test_symm_gpu.py \
   >> "$OUT/tests.log" 2>&1
