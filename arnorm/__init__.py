@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import contextlib
 
-from arnorm._capabilities import Capabilities
 from arnorm._config import Config
-from arnorm._discovery import ArnormWarning, BackendInfo
 from arnorm._errors import (
     ArnormError,
+    ArnormWarning,
     BackendBrokenError,
     BackendNotInstalledError,
     BackendSetupError,
@@ -33,9 +32,6 @@ from arnorm._errors import (
     NoEligibleBackendError,
     SelectionError,
 )
-from arnorm._explain import STATUSES, Explanation, Verdict
-from arnorm._oneshot import fused_allreduce_norm
-from arnorm._op import AllReduceNorm
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._types import (
     LOCAL,
@@ -46,6 +42,11 @@ from arnorm._types import (
     QuantizedActivation,
     RMSNorm,
 )
+from arnorm.op._oneshot import fused_allreduce_norm
+from arnorm.op._op import AllReduceNorm
+from arnorm.registry._capabilities import Capabilities
+from arnorm.registry._discovery import BackendInfo
+from arnorm.registry._explain import STATUSES, Explanation, Verdict
 
 __version__ = "0.2.0"
 
@@ -87,7 +88,7 @@ def backends() -> list[BackendInfo]:
     importable and new enough; whether it can serve a given problem is what
     :meth:`AllReduceNorm.explain` says.
     """
-    from arnorm._discovery import get_registry
+    from arnorm.registry._discovery import get_registry
 
     return get_registry().infos()
 

@@ -1,5 +1,5 @@
 """``python -m arnorm``: the same commands as the ``arnorm`` console script."""
 
-from arnorm._cli import main
+from arnorm.cli._main import main
 
 raise SystemExit(main())

@@ -87,7 +87,7 @@ class Config(BaseSettings):
     accelerate: bool = Field(
         default=True,
         description="Make the valid-call test of a backend's fast path in arnorm's C helper "
-        "(arnorm/_accel.c, compiled once per interpreter into ~/.cache/arnorm); the Python test "
+        "(arnorm/op/_accel.c, compiled once per interpreter into ~/.cache/arnorm); the Python test "
         "runs where it declines, is off or cannot be built. A speed-up only: results and errors "
         "are the same.",
     )
@@ -123,8 +123,8 @@ class Config(BaseSettings):
 
 def load_config() -> Config:
     """``Config()`` from the environment, after warning about ``ARNORM_*`` names no setting reads."""
-    from arnorm._discovery import get_registry
     from arnorm._settings import warn_unknown_variables
+    from arnorm.registry._discovery import get_registry
 
     registry = get_registry()
     backends = {

@@ -22,10 +22,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from arnorm._explain import Explanation
+    from arnorm.registry._explain import Explanation
 
 __all__ = [
     "ArnormError",
+    "ArnormWarning",
     "BackendBrokenError",
     "BackendNotInstalledError",
     "BackendSetupError",
@@ -79,3 +80,7 @@ class BackendSetupError(SelectionError, RuntimeError):
 
 class NoEligibleBackendError(SelectionError, RuntimeError):
     """No backend can serve the problem on every rank; the message lists each one's reasons."""
+
+
+class ArnormWarning(UserWarning):
+    """Something is wrong with a plugin or a setting; arnorm carries on without it."""

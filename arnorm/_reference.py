@@ -20,9 +20,9 @@ from arnorm._types import Output, QuantizedActivation
 if TYPE_CHECKING:
     import torch
 
-    from arnorm._comm import Comm
     from arnorm._problem import Problem
     from arnorm._settings import BackendSettings
+    from arnorm.op._comm import Comm
 
 __all__ = ["ReferenceBackend", "add_rmsnorm", "quantize_output", "rank_order_sum"]
 

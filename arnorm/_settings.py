@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from arnorm._errors import ConfigError
 
 if TYPE_CHECKING:
-    from arnorm._spec import BackendSpec
+    from arnorm.registry._spec import BackendSpec
 
 __all__ = [
     "PREFIX",
@@ -141,7 +141,7 @@ _warned: set[str] = set()
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        from arnorm._discovery import ArnormWarning
+        from arnorm._errors import ArnormWarning
 
         warnings.warn(message, ArnormWarning, stacklevel=4)
 

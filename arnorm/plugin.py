@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from arnorm._capabilities import Capabilities, check_capabilities, join_or
-from arnorm._comm import Comm
 from arnorm._errors import (
     ArnormError,
     BackendSetupError,
@@ -38,8 +36,10 @@ from arnorm._problem import DTYPES, Problem
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
 from arnorm._settings import BackendSettings
-from arnorm._spec import BackendSpec, hookimpl
 from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation
+from arnorm.op._comm import Comm
+from arnorm.registry._capabilities import Capabilities, check_capabilities, join_or
+from arnorm.registry._spec import BackendSpec, hookimpl
 
 if TYPE_CHECKING:  # loaded on first use by __getattr__ below
     from arnorm.quant import dequantize, empty_quantized, quantize

@@ -4,7 +4,7 @@ and ``triton_symm``.
 ``kernel[grid](...)`` re-binds and re-specializes every argument in Python per call; a compiled
 variant's own launcher (``CompiledKernel.run``, a C function on a GPU) takes plain integer
 pointers as they are. :func:`bound_launchers` says how one compiled variant may be called that
-way; the launchers (:mod:`arnorm_triton._launch`, :mod:`arnorm_triton._symm_launch`) check each
+way; the launchers (:mod:`arnorm_triton._launch`, :mod:`arnorm_triton.symm._launch`) check each
 candidate bit for bit against ``kernel[grid]`` before using it, and take the ordinary path while
 a profiler's launch hook is installed: ``RUNTIME.launch_enter_hook`` is neither ``None`` nor an
 empty ``HOOK_CHAIN`` (a test both launchers make inline, per launch).

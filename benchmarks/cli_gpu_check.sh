@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CLI, bench and arnorm.testing on a GPU host: explain/demo/bench with --device cuda, the CLI and
-# arnorm.testing tests with CUDA tensors, and the model demo when arnorm/_demo_model.py exists.
+# arnorm.testing tests with CUDA tensors, and the model demo when arnorm/cli/_demo_model.py exists.
 # Run from the repo root on the H200: bash benchmarks/cli_gpu_check.sh  (writes under $OUT/; ~5 min)
 # Never stops at the first failure; the last lines are a summary: step, exit code, expected code.
 source benchmarks/gpu_setup.sh
@@ -36,7 +36,7 @@ step bench_cuda 0 420 python3 -m arnorm bench --tp 2 --device cuda --hidden 4096
   --iters 50 --warmup 10 --json "$OUT/bench.json" "${PLOT[@]}"
 step pytest_cli_testing 0 480 python3 -m pytest -q -p no:cacheprovider -rfs \
   tests/test_cli.py tests/test_bench.py tests/test_conformance_reference.py tests/testing
-if [ -f arnorm/_demo_model.py ]; then
+if [ -f arnorm/cli/_demo_model.py ]; then
   step demo_model_llama 0 480 python3 -m arnorm demo --model llama --tp 2 --device cuda --max-tokens 8
 fi
 

@@ -1,6 +1,6 @@
 # Source this on the H200 device machine (offline; python3 has torch, triton, pluggy, pytest).
 # Expects .gpu/ carried in: .gpu/whl (pydantic wheels + arnorm and arnorm-example wheels built here
-# with `pip wheel --no-deps -w .gpu/whl . backends/arnorm-example`) and .gpu/flashinfer-bundle.tar.xz.
+# with `pip wheel --no-deps -w .gpu/whl . examples/arnorm-example`) and .gpu/flashinfer-bundle.tar.xz.
 # The repo comes first on PYTHONPATH, so the code run is the working tree; the installed wheels only
 # provide the dist-info (entry points) that plugin discovery reads.
 set -e

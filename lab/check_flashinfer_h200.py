@@ -131,7 +131,7 @@ def _problem(arch, **kw):
 def probe() -> dict[str, Any]:
     import torch
 
-    from arnorm._capabilities import check_capabilities
+    from arnorm.registry._capabilities import check_capabilities
     from arnorm_flashinfer._backend import FlashInferBackend
     from arnorm_flashinfer._plugin import CAPABILITIES
 
@@ -161,8 +161,8 @@ def probe() -> dict[str, Any]:
 
 
 def _use_registry() -> None:
-    from arnorm import _builtin
-    from arnorm._discovery import Registry, reset_registry
+    from arnorm.registry import _builtin
+    from arnorm.registry._discovery import Registry, reset_registry
     from arnorm_flashinfer import _plugin
 
     registry = Registry()  # explicit: a source tree on PYTHONPATH has no entry points installed

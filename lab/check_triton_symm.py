@@ -97,8 +97,8 @@ def _local_backend(
     import torch
 
     from arnorm.plugin import Comm
-    from arnorm_triton._symm_backend import TritonSymmBackend
-    from arnorm_triton._symm_workspace import emulated, plan_layout
+    from arnorm_triton.symm._backend import TritonSymmBackend
+    from arnorm_triton.symm._workspace import emulated, plan_layout
 
     dtype = getattr(torch, problem.dtype)
     lay = plan_layout(world=world, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
@@ -112,7 +112,7 @@ def _local_backend(
         # Rank 0 of a world whose peers are always ahead: their flags in rank 0's buffer hold an
         # epoch 2**30 calls ahead, so every wait is met at its first poll while the kernel still
         # makes every flag operation and every peer load (into local tensors) a real TP run makes.
-        from arnorm_triton._symm_workspace import KINDS
+        from arnorm_triton.symm._workspace import KINDS
 
         flags = ws.buffer[: KINDS * slots * world * 4].view(torch.int32).view(KINDS, slots, world)
         flags[:, :, 1:] = 1 << 30
@@ -131,8 +131,8 @@ def _pair(problem: Any, slots: int, max_tokens: int, pdl: bool = True, push: boo
     import torch
 
     from arnorm.plugin import Comm
-    from arnorm_triton._symm_backend import TritonSymmBackend
-    from arnorm_triton._symm_workspace import emulated, plan_layout
+    from arnorm_triton.symm._backend import TritonSymmBackend
+    from arnorm_triton.symm._workspace import emulated, plan_layout
 
     dtype = getattr(torch, problem.dtype)
     lay = plan_layout(world=2, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
@@ -160,8 +160,8 @@ def _self_push(problem: Any, slots: int, pdl: bool = True, device: Any = None, w
     import torch
 
     from arnorm.plugin import Comm
-    from arnorm_triton._symm_backend import TritonSymmBackend
-    from arnorm_triton._symm_workspace import emulated, plan_layout
+    from arnorm_triton.symm._backend import TritonSymmBackend
+    from arnorm_triton.symm._workspace import emulated, plan_layout
 
     dtype = getattr(torch, problem.dtype)
     lay = plan_layout(world=world, slots=slots, hidden=problem.hidden_size, itemsize=dtype.itemsize,
@@ -201,7 +201,7 @@ def _pair_graph_time(fns: list[Any], calls: int = 20, replays: int = 20) -> floa
 def _slots(world: int) -> int:
     import torch
 
-    from arnorm_triton._symm_setup import MAX_SLOTS
+    from arnorm_triton.symm._setup import MAX_SLOTS
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return max(world, min(sms, MAX_SLOTS) // world * world)
@@ -323,7 +323,7 @@ def calibrate() -> int:
     """Time a wait that can never be satisfied, for a known number of polls."""
     import torch
 
-    from arnorm_triton._symm_plugin import DEFAULT_SPIN_LIMIT
+    from arnorm_triton.symm._plugin import DEFAULT_SPIN_LIMIT
 
     problem = _problem(1, 4096, "bfloat16", None, None)
     rows = []

@@ -47,7 +47,7 @@ else:
     dist = md.distribution("arnorm")
     path = pathlib.Path(dist._path) / "entry_points.txt"  # the installed wheel's file
     text = path.read_text()
-    line = "triton_symm = arnorm_triton._symm_plugin\n"
+    line = "triton_symm = arnorm_triton.symm._plugin\n"
     if "[arnorm.backends]\n" in text:
         text = text.replace("[arnorm.backends]\n", "[arnorm.backends]\n" + line, 1)
     else:

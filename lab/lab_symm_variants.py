@@ -1,8 +1,8 @@
 """A/B of ``triton_symm`` kernel variants on one GPU: the kernel alone, with itself as its peer, and
 two ranks pushing to each other.
 
-Each variant is a copy of ``arnorm_triton/_symm_kernels.py`` (``git show
-<commit>:arnorm_triton/_symm_kernels.py > old.py`` makes one of an older commit); ``NAME=PATH:KPATH``
+Each variant is a copy of ``arnorm_triton/symm/_kernels.py`` (``git show
+<commit>:arnorm_triton/symm/_kernels.py > old.py`` makes one of an older commit); ``NAME=PATH:KPATH``
 also replaces ``arnorm_triton/_kernels.py`` (the epilogue it imports) with ``KPATH``. A variant runs
 in a child process over an overlay: a copy of the ``arnorm_triton`` package with the variant's files
 in place, first on ``PYTHONPATH``. Children run variant after variant, then back in reverse order
@@ -14,7 +14,7 @@ cell is the best of the passes, each pass the best of 3 CUDA-graph timings (chec
 two streams); cells H 4096 none and H 8192 fp8_static at T 1, 16, 128. Each child checks its ``push
 self`` results at T 16 bit for bit against the reference.
 
-    python3 lab/lab_symm_variants.py head=old.py new=arnorm_triton/_symm_kernels.py [--rounds 2]
+    python3 lab/lab_symm_variants.py head=old.py new=arnorm_triton/symm/_kernels.py [--rounds 2]
         [--worlds 2,8]
 """
 

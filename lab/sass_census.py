@@ -62,7 +62,7 @@ def symm_census(world: int, hidden: int, quant: str, arch: int) -> dict[str, int
     from triton.compiler import ASTSource
 
     import arnorm_triton._kernels as K
-    import arnorm_triton._symm_kernels as S
+    import arnorm_triton.symm._kernels as S
     from arnorm_triton._launch_table import default_num_warps
 
     fmt = None if quant == "none" else quant

@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_registry():
     """Each test starts from the entry-point registry, whatever the previous test installed."""
-    from arnorm._discovery import reset_registry
+    from arnorm.registry._discovery import reset_registry
 
     reset_registry()
     yield

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from arnorm._discovery import Registry, reset_registry
 from arnorm._reference import ReferenceBackend
 from arnorm.plugin import BackendSettings, BackendSpec, Capabilities, Output, add_rmsnorm, quantize_output
+from arnorm.registry._discovery import Registry, reset_registry
 
 CPU_ANY = Capabilities(platforms=frozenset({"cpu", "cuda"}))
 ALL_QUANT = frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"})
@@ -92,7 +92,7 @@ class FastPathBackend(AllReduceBackend):
         got = super().__call__(hidden_states, residual, weight, scale)
         if out is None:
             return got
-        from arnorm._out import copy_into
+        from arnorm.op._caller_outputs import copy_into
 
         return copy_into(got, out, self.problem.inplace)
 
@@ -107,7 +107,7 @@ class FastPathBackend(AllReduceBackend):
             got = AllReduceBackend.__call__(self, x, res, w, scale)
             if out is None:
                 return got
-            from arnorm._out import copy_into
+            from arnorm.op._caller_outputs import copy_into
 
             return copy_into(got, out, self.problem.inplace)
 

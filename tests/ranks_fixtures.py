@@ -240,7 +240,7 @@ def group_safety(rank: int, world: int):
     """4 ranks in two TP groups of 2: the errors a device group without its CPU twin gets, and the fix."""
     import torch.distributed as dist
 
-    import arnorm._comm as comm_module
+    import arnorm.op._comm as comm_module
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     twins = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -287,7 +287,7 @@ def malformed_setting_on_one_rank(rank: int, world: int):
 def without_residual(rank: int, world: int, backend: str | None):
     """An add_residual=False op on every rank; returns (backend, residual bitwise, normed bitwise,
     whether the backend is served through the -0.0 residual buffer)."""
-    from arnorm._call import ZeroResidual
+    from arnorm.op._guards import ZeroResidual
 
     dtype = torch.bfloat16
     partials, _, weight = make_inputs(rank, world, 5, 32, dtype, seed=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from arnorm import Config, ConfigError, InvalidInputError
-from arnorm._select import Preference
+from arnorm.registry._select import Preference
 
 
 def test_env_lists_are_parsed(clean_env):

@@ -45,7 +45,7 @@ def test_import_pulls_no_torch_and_scans_no_entry_points():
         "calls = []\n"
         "orig = md.entry_points\n"
         "md.entry_points = lambda *a, **k: calls.append(k.get('group')) or orig(*a, **k)\n"
-        "import arnorm, arnorm._discovery as d\n"
+        "import arnorm, arnorm.registry._discovery as d\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'flashinfer', 'aiter',"
         " 'arnorm_triton', 'arnorm_flashinfer', 'arnorm_aiter', 'numpy')]\n"
         "print(heavy, [c for c in calls if c and c.startswith('arnorm')], d._registry)\n"

@@ -37,7 +37,7 @@ def warn_once(message: str, stacklevel: int, key: str | None = None) -> None:
         _WARNED.add(key)
         import warnings
 
-        from arnorm._discovery import ArnormWarning
+        from arnorm._errors import ArnormWarning
 
         warnings.warn(message, ArnormWarning, stacklevel + 1)
 

@@ -27,9 +27,7 @@ from typing import Any
 
 import torch
 
-from arnorm._comm import Comm
 from arnorm._errors import InvalidInputError, SelectionError
-from arnorm._op import AllReduceNorm
 from arnorm._types import LOCAL, RMSNorm
 from arnorm.integrations._hf_inspect import LayerPlan, ModelPlan, inspect_model
 from arnorm.integrations._hf_layers import (
@@ -40,6 +38,8 @@ from arnorm.integrations._hf_layers import (
     reducer,
     row_parallel_forward,
 )
+from arnorm.op._comm import Comm
+from arnorm.op._op import AllReduceNorm
 
 __all__ = ["FusedModel", "fuse"]
 

@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from arnorm._errors import InvalidInputError, NoEligibleBackendError
-from arnorm._op import AllReduceNorm
 from arnorm._types import LOCAL, QuantizedActivation, RMSNorm
 from arnorm.integrations._common import accepts_residual, gemma_add_norm, norm_eps
 from arnorm.integrations._vllm_checks import not_gemma_reason, uncallable_reason, warn_unfused
 from arnorm.integrations._vllm_groups import Tp, explicit_tp, vllm_coordinator, vllm_tp
 from arnorm.integrations._vllm_keys import format_of_key
+from arnorm.op._op import AllReduceNorm
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",

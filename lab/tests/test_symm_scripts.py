@@ -27,14 +27,14 @@ def test_entry_point_patch_adds_the_line(tmp_path):
     dist = tmp_path / "arnorm-0.0.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: arnorm\nVersion: 0.0.0\n")
-    (dist / "entry_points.txt").write_text("[arnorm.backends]\nreference = arnorm._builtin\n")
+    (dist / "entry_points.txt").write_text("[arnorm.backends]\nreference = arnorm.registry._builtin\n")
     # The temporary dist-info comes first on the child's path, so importlib.metadata picks it.
     code = f"import sys; sys.path[:0] = [{str(tmp_path)!r}]\n{snippet}"
     run = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "added to" in run.stdout
     content = (dist / "entry_points.txt").read_text()
-    assert content.count("triton_symm = arnorm_triton._symm_plugin") == 1
+    assert content.count("triton_symm = arnorm_triton.symm._plugin") == 1
     run = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True)
     assert "registered" in run.stdout
 
@@ -72,7 +72,7 @@ def test_self_push_runs_the_protocol(quant, world):
     from triton_cases import check_output, make_problem, make_scale
 
     from arnorm.plugin import add_rmsnorm, rank_order_sum
-    from arnorm_triton._symm_workspace import SENTINEL_BYTE
+    from arnorm_triton.symm._workspace import SENTINEL_BYTE
 
     sys.path.insert(0, str(ROOT / "lab"))
     try:

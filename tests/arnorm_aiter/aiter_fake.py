@@ -201,8 +201,8 @@ def use_registry() -> None:
     The entry points of the installed (editable) metadata may predate ``aiter``'s; the hook is
     what a fresh install registers.
     """
-    from arnorm._builtin import arnorm_backends as reference_hook
-    from arnorm._discovery import Registry, reset_registry
+    from arnorm.registry._builtin import arnorm_backends as reference_hook
+    from arnorm.registry._discovery import Registry, reset_registry
     from arnorm_aiter._plugin import arnorm_backends
 
     reg = Registry()
@@ -269,8 +269,8 @@ def rank_backend_vs_reference(
 ) -> list[tuple[str, list[str]]]:
     """Build the aiter backend over the real gloo group with the fake installed; compare each case."""
     import arnorm
-    from arnorm._comm import Comm
     from arnorm._reference import ReferenceBackend
+    from arnorm.op._comm import Comm
     from arnorm_aiter._backend import AiterBackend
 
     install()
@@ -298,13 +298,13 @@ def rank_through_op(
 ) -> list[tuple[str, str, list[str]]]:
     """The whole path: ``arnorm.AllReduceNorm`` on gloo picks aiter in auto mode (fake installed)."""
     import arnorm
-    import arnorm._args
+    import arnorm.op._args
     from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
 
     install()
     use_registry()
     # CPU tensors, ROCm as seen by selection
-    arnorm._args.platform_of = lambda device: ("rocm", None, "gfx950")
+    arnorm.op._args.platform_of = lambda device: ("rocm", None, "gfx950")
     partials, residual, weight = inputs(world, 8, 1024, torch.bfloat16)
     results = []
     for quant, offset in cases:

@@ -54,7 +54,7 @@ def test_an_installed_aiter_below_the_floor_is_outdated_with_its_version(monkeyp
     """An aiter older than 0.1.19.post1 (the public index's 0.1.7) is listed as outdated, not available."""
     import importlib.metadata as md
 
-    from arnorm._discovery import Registry
+    from arnorm.registry._discovery import Registry
 
     real_version = md.version
     monkeypatch.setattr(md, "version", lambda d: "0.1.7.post2.dev18" if d == "amd-aiter" else real_version(d))

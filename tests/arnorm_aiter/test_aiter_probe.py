@@ -66,8 +66,8 @@ def test_probe_through_selection_lists_the_reasons(monkeypatch):
     """The core's local check (capabilities, then probe) shows aiter's reasons verbatim."""
     from aiter_fake import install, use_registry
 
-    from arnorm._discovery import get_registry
-    from arnorm._select import Preference, check_locally
+    from arnorm.registry._discovery import get_registry
+    from arnorm.registry._select import Preference, check_locally
 
     install(monkeypatch, version="0.1.20")
     use_registry()

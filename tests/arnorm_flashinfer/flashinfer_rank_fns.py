@@ -14,8 +14,8 @@ MIB = 1 << 20
 
 def use_registry() -> None:
     """Exactly the reference and flashinfer backends, whatever entry points this install has."""
-    from arnorm import _builtin
-    from arnorm._discovery import Registry, reset_registry
+    from arnorm.registry import _builtin
+    from arnorm.registry._discovery import Registry, reset_registry
     from arnorm_flashinfer import _plugin
 
     registry = Registry()
@@ -26,9 +26,9 @@ def use_registry() -> None:
 
 def pretend_cuda(arch: tuple[int, int]) -> None:
     """Make ``AllReduceNorm`` describe a CPU op as a CUDA one of ``arch`` (the fake runs on CPU)."""
-    import arnorm._args
+    import arnorm.op._args
 
-    arnorm._args.platform_of = lambda device: ("cuda", arch, None)
+    arnorm.op._args.platform_of = lambda device: ("cuda", arch, None)
 
 
 def make_inputs(
@@ -56,8 +56,8 @@ def agree_on_failure(rank: int, world: int) -> tuple[str, list[Any]]:
     import torch.distributed as dist
     from fake_flashinfer import install, make_problem
 
-    from arnorm._comm import Comm
     from arnorm._errors import BackendSetupError
+    from arnorm.op._comm import Comm
     from arnorm_flashinfer._backend import FlashInferBackend
     from arnorm_flashinfer._plugin import FlashInferSettings
 

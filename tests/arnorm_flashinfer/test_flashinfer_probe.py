@@ -11,7 +11,7 @@ import sys
 import pytest
 from fake_flashinfer import fake_fi_fixture, install, make_problem  # noqa: F401  (fixture)
 
-from arnorm._capabilities import check_capabilities
+from arnorm.registry._capabilities import check_capabilities
 from arnorm_flashinfer._backend import FlashInferBackend
 from arnorm_flashinfer._plugin import CAPABILITIES, arnorm_backends
 from arnorm_flashinfer._rules import max_hidden

@@ -52,9 +52,9 @@ def test_selected_through_arnorm_with_reasons_and_fallback(cpu_ranks, quant, lay
 
 
 def _pretend_sm90(monkeypatch) -> None:
-    import arnorm._args
+    import arnorm.op._args
 
-    monkeypatch.setattr(arnorm._args, "platform_of", lambda device: ("cuda", (9, 0), None))
+    monkeypatch.setattr(arnorm.op._args, "platform_of", lambda device: ("cuda", (9, 0), None))
 
 
 def test_tp1_is_rejected_with_its_reason(fake_fi, clean_env):
@@ -73,9 +73,9 @@ def test_tp1_is_rejected_with_its_reason(fake_fi, clean_env):
 def test_nvfp4_on_sm90_through_selection(fake_fi, clean_env):
     use_registry()
     problem = make_problem(quant="nvfp4")
-    from arnorm._select import Preference, check_locally
+    from arnorm.registry._select import Preference, check_locally
 
-    verdicts = check_locally(problem, arnorm._discovery.get_registry(), Preference(None, "auto"))
+    verdicts = check_locally(problem, arnorm.registry._discovery.get_registry(), Preference(None, "auto"))
     verdict = verdicts["flashinfer"]
     assert verdict.status == "incompatible"
     assert verdict.reasons == ("compute capability: 9.0 (needs >= 10.0 for nvfp4)",)

@@ -53,7 +53,7 @@ class FusedTestBackend:
 
 def install_registry() -> None:
     """Make the reference and the fused test backend the only registered backends of this process."""
-    from arnorm._discovery import Registry, reset_registry
+    from arnorm.registry._discovery import Registry, reset_registry
 
     caps = Capabilities(platforms=frozenset({"cpu", "cuda"}), quant=ALL_QUANT, round_before_weight=True)
     reg = Registry()

@@ -1,4 +1,4 @@
-"""arnorm._demo_model: the model demo behind `arnorm demo --model`, run for real on CPU ranks."""
+"""arnorm.cli._demo_model: the model demo behind `arnorm demo --model`, run for real on CPU ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from arnorm._demo_model import run_model_demo
+from arnorm.cli._demo_model import run_model_demo
 
 
 @pytest.mark.slow

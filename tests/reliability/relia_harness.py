@@ -67,7 +67,7 @@ def run_tables(rank: int, world: int, tables: Sequence[str]) -> dict[str, dict[s
     """
     import torch.distributed as dist
 
-    from arnorm._discovery import reset_registry
+    from arnorm.registry._discovery import reset_registry
 
     results: dict[str, dict[str, Any]] = {}
     for module in tables:

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 
 import arnorm
-from arnorm._custom_op import live_handles
+from arnorm.op._custom_op import live_handles
 
 H = 32
 
 
 def holdings() -> dict[str, int]:
     """What must stay flat: custom-op handles, live threads, open file descriptors, cached ops."""
-    from arnorm import _oneshot, _probe
+    from arnorm.op import _oneshot, _probe
 
     gc.collect()
     return {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from arnorm._oneshot import CACHE_SIZE
+from arnorm.op._oneshot import CACHE_SIZE
 from arnorm.testing import run_ranks
 
 import relia_leaks

@@ -1,0 +1,307 @@
+"""The checked call of :class:`arnorm.AllReduceNorm` (its ``__call__``), apart from construction.
+
+For a valid call the cost is one combined test of :mod:`arnorm.op._check`'s rule (that module says
+it in words, and :func:`arnorm.op._check.check_call` builds the message when the test fails; a
+property test holds the two equal), a list index that picks the backend for the token count, and
+the backend call. Where the backend has a fast path (the optional ``fast_path`` of
+:class:`arnorm.plugin.FusedAllReduceNorm`) and the rows are contiguous, the call goes there with
+the data pointers the test already read, so neither side reads them twice. These functions are
+``AllReduceNorm``'s methods; they live here to keep the class's module about construction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from arnorm._errors import InvalidInputError
+from arnorm._types import Output
+from arnorm.op._caller_outputs import check_out_tensors, copy_into
+from arnorm.op._check import check_call
+from arnorm.op._custom_op import call_custom_op
+from arnorm.op._guards import agree_call, guard, no_backend
+
+if TYPE_CHECKING:
+    import torch
+
+    from arnorm.op._op import AllReduceNorm
+
+__all__ = ["call", "call_without_residual", "out_check", "trust_weight"]
+
+_TWO_THREADS = "op: called from two threads at once (needs one call at a time per op)"
+
+
+def call(
+    self: AllReduceNorm,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    out: Output | None = None,
+) -> Output:
+    """Run one fused step; see the class docstring for the formula.
+
+    Args:
+        hidden_states: ``[T, H]`` this rank's partial sum (becomes the new residual when the
+            op is in place). Rows may be strided when every backend of the op says so.
+        residual: ``[T, H]``, not modified; must not share memory with ``hidden_states``.
+            ``None`` exactly when the op was built with ``add_residual=False``.
+        weight: ``[H]`` norm weight in the op's dtype (raw Gemma weight; the offset is added).
+        scale: fp32 ``[1]`` on the op's device: the dequant scale (fp8_static) or the global
+            encode scale (nvfp4); ``None`` for the other formats.
+        out: caller-owned buffers for exactly ``T`` tokens, written instead of allocating
+            (:meth:`empty_output` makes one; an earlier call's result may be passed back). The
+            result holds ``out``'s tensors. Each is contiguous, 16-byte aligned and shares no
+            byte with another or with the inputs (README, "Caller-provided outputs").
+
+    One call at a time per op: a second, concurrent call from another thread raises.
+
+    ``weight``, ``scale`` and ``out`` are checked in full when first seen, then trusted by
+    identity and data pointer: a tensor whose pointer changes (``w.data = other``) is checked
+    again, but an in-place change that keeps it (``as_strided_``, ``resize_``, ``.data`` set to
+    a view of the same memory in another dtype) is not seen. Pass a new tensor instead. Writes
+    into ``hidden_states`` and ``out`` are not recorded in autograd's version counter by every
+    backend (a bump costs more host time than the rest of a decode call): arnorm is for
+    inference, so do not pass a tensor that autograd saved for a backward.
+    """
+    if self._is_compiling():
+        if out is not None:  # fake tensors have no data pointers: everything else is checked
+            check_out_tensors(self._out_rules, out, hidden_states.shape[0])
+        result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
+        return result if out is None else copy_into(result, out, self._inplace)
+    declined = False  # the backend's fast path returned None for this call: __call__ serves it
+    accept = self._accept  # None with check_calls, or without the C helper
+    if accept is not None:  # the C helper: this function's test (a subset of it), then fast(...)
+        result = accept(self._accel_state, self, hidden_states, residual, weight, scale, out)
+        if result is not NotImplemented:
+            if result is not None:
+                return result
+            declined = True
+    if self._check_calls:
+        self._seq += 1
+        agree_call(
+            self._comm, self._rules, self._seq, hidden_states, residual, weight, scale, out_check(self, out)
+        )
+    if residual is None:
+        return self._call_without_residual(hidden_states, weight, scale, out)
+    token = self._token
+    try:
+        token.pop()
+    except IndexError:
+        raise InvalidInputError(_TWO_THREADS) from None
+    try:
+        fast = None
+        sp = 0
+        h, row_bytes, dt, on_cpu, index, max_tokens = self._consts
+        try:
+            shape = hidden_states.shape
+            t = shape[0]
+            hp, rp, wp = hidden_states.data_ptr(), residual.data_ptr(), weight.data_ptr()
+            if hidden_states.is_contiguous() and residual.is_contiguous():
+                hn = rn = t * row_bytes
+                ok = abs(hp - rp) >= hn
+                fast = self._fast_table[t]
+            elif self._strided:
+                hst, rst = hidden_states.stride(), residual.stride()
+                hn = ((t - 1) * hst[0] + h) * self._itemsize
+                rn = ((t - 1) * rst[0] + h) * self._itemsize
+                ok = (h == 1 or hst[1] == rst[1] == 1) and (t == 1 or (hst[0] >= h and rst[0] >= h))
+                ok = ok and (hp >= rp + rn or rp >= hp + hn)
+            else:
+                ok = False
+            if on_cpu:  # is_cpu and get_device() both exclude meta tensors, and are cheap
+                ok = ok and hidden_states.is_cpu and residual.is_cpu
+            else:
+                ok = ok and hidden_states.get_device() == index and residual.get_device() == index
+            ok = (
+                ok
+                and self._add_residual
+                and hidden_states.dtype is dt
+                and residual.dtype is dt
+                and len(shape) == 2
+                and shape[1] == h
+                and 0 < t <= max_tokens
+                and residual.shape == shape
+                and (
+                    (weight is self._last_weight and wp == self._last_wptr)
+                    or self._trusted_weights.get(id(weight)) == wp
+                    or trust_weight(self, weight, wp)
+                )
+                and (wp >= hp + hn or hp >= wp + row_bytes)
+            )
+            if scale is not None:
+                sp = scale.data_ptr()
+                ok = (
+                    ok
+                    and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
+                    and (sp >= hp + hn or hp >= sp + 4)
+                )
+            elif self._scaled:
+                ok = False
+            grad = (
+                ok
+                and self._grad_enabled()
+                and (hidden_states.requires_grad or residual.requires_grad or weight.requires_grad)
+            )
+            if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
+                ok = False
+        except (AttributeError, TypeError, IndexError, RuntimeError):
+            ok = grad = False
+        checked = out is None
+        if ok and not checked:
+            # OutTrust.check's trusted case inline (every out= call pays it): each destination kept
+            # its data pointer and shares no byte with an input; else the full check, which raises.
+            spans = self._out_spans.get(id(out))
+            if spans is not None and spans[0] == t:
+                he, re_, we, se = hp + hn, rp + rn, wp + row_bytes, sp + 4 if scale is not None else 0
+                for d, a, b in spans[1]:
+                    if d.data_ptr() != a or (
+                        (a < he and hp < b) or (a < re_ and rp < b) or (a < we and wp < b)
+                        or (a < se and sp < b)
+                    ):  # fmt: skip
+                        break
+                else:
+                    checked = True
+            if not checked:
+                self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
+                checked = True
+        if fast is not None and ok and not declined:
+            result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
+            if result is not None:
+                return guard(result, hidden_states, residual, weight) if grad else result
+        if not ok:
+            check_call(self._rules, hidden_states, residual, weight, scale)
+            grad = self._grad_enabled() and (
+                hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
+            )
+            t = hidden_states.shape[0]
+        impl = self._table[t]
+        if impl is None:
+            raise self._closed_error() if self._closed else no_backend(t)
+        if out is None:
+            result = impl(hidden_states, residual, weight, scale)
+        else:
+            if not checked:
+                self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
+            result = self._into_table[t](hidden_states, residual, weight, scale, out)
+        return guard(result, hidden_states, residual, weight) if grad else result
+    finally:
+        token.append(None)
+
+
+def call_without_residual(
+    self: AllReduceNorm, hidden_states: Any, weight: Any, scale: Any, out: Any
+) -> Output:
+    """:func:`call` for an op built with ``add_residual=False`` (``residual`` is ``None``)."""
+    # The rule of call's fast test with no residual to place or compare (the same property test
+    # covers both); the weight and scale parts are the same expressions.
+    token = self._token
+    try:
+        token.pop()
+    except IndexError:
+        raise InvalidInputError(_TWO_THREADS) from None
+    try:
+        fast = None
+        sp = 0
+        h, row_bytes, dt, on_cpu, index, max_tokens = self._consts
+        try:
+            shape = hidden_states.shape
+            t = shape[0]
+            hp, wp = hidden_states.data_ptr(), weight.data_ptr()
+            if hidden_states.is_contiguous():
+                hn = t * row_bytes
+                ok = not self._add_residual
+                fast = self._fast_table[t]
+            elif self._strided:
+                hst = hidden_states.stride()
+                hn = ((t - 1) * hst[0] + h) * self._itemsize
+                ok = not self._add_residual and (h == 1 or hst[1] == 1) and (t == 1 or hst[0] >= h)
+            else:
+                ok = False
+            if on_cpu:
+                ok = ok and hidden_states.is_cpu
+            else:
+                ok = ok and hidden_states.get_device() == index
+            ok = (
+                ok
+                and hidden_states.dtype is dt
+                and len(shape) == 2
+                and shape[1] == h
+                and 0 < t <= max_tokens
+                and (
+                    (weight is self._last_weight and wp == self._last_wptr)
+                    or self._trusted_weights.get(id(weight)) == wp
+                    or trust_weight(self, weight, wp)
+                )
+                and (wp >= hp + hn or hp >= wp + row_bytes)
+            )
+            if scale is not None:
+                sp = scale.data_ptr()
+                ok = (
+                    ok
+                    and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
+                    and (sp >= hp + hn or hp >= sp + 4)
+                )
+            elif self._scaled:
+                ok = False
+            grad = ok and self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+            if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
+                ok = False
+        except (AttributeError, TypeError, IndexError, RuntimeError):
+            ok = grad = False
+        checked = out is None
+        if ok and not checked:  # as in call; no residual: its range is hidden_states' own
+            spans = self._out_spans.get(id(out))
+            if spans is not None and spans[0] == t:
+                he, we, se = hp + hn, wp + row_bytes, sp + 4 if scale is not None else 0
+                for d, a, b in spans[1]:
+                    if d.data_ptr() != a or (
+                        (a < he and hp < b) or (a < we and wp < b) or (a < se and sp < b)
+                    ):
+                        break
+                else:
+                    checked = True
+            if not checked:
+                self._out_trust.check(out, t, (hidden_states, None, weight, scale))
+                checked = True
+        if fast is not None and ok:
+            result = fast(t, hidden_states, None, weight, scale, out, hp, 0, wp, sp)
+            if result is not None:
+                return guard(result, hidden_states, None, weight) if grad else result
+        if not ok:
+            check_call(self._rules, hidden_states, None, weight, scale)
+            grad = self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+            t = hidden_states.shape[0]
+        impl = self._table[t]
+        if impl is None:
+            raise self._closed_error() if self._closed else no_backend(t)
+        if out is None:
+            result = impl(hidden_states, None, weight, scale)
+        else:
+            if not checked:
+                self._out_trust.check(out, t, (hidden_states, None, weight, scale))
+            result = self._into_table[t](hidden_states, None, weight, scale, out)
+        return guard(result, hidden_states, None, weight) if grad else result
+    finally:
+        token.append(None)
+
+
+def out_check(self: AllReduceNorm, out: Any) -> Any:
+    """For ``ARNORM_CHECK_CALLS``: a function raising what ``out`` would raise, or ``None``."""
+    if out is None:
+        return None
+
+    def check(hidden_states: Any, residual: Any, weight: Any, scale: Any) -> None:
+        tensors = (hidden_states, residual, weight, scale)
+        self._out_trust.check(out, hidden_states.shape[0], tensors)
+
+    return check
+
+
+def trust_weight(self: AllReduceNorm, weight: Any, ptr: int) -> bool:
+    """Check ``weight`` fully and trust it; the weight of the last call is then checked by
+    identity alone (one op per layer); an op shared by the layers finds the others in the table."""
+    if self._trust.weight(weight, ptr):
+        self._last_weight, self._last_wptr = weight, ptr
+        return True
+    return False

@@ -1,0 +1,280 @@
+"""Caller-provided outputs (``op(..., out=...)``): the rule, its messages, and trust by identity.
+
+An engine that keeps its activation buffers passes them as ``out``, an :class:`arnorm.Output` for
+exactly the call's ``T`` tokens, as :meth:`arnorm.AllReduceNorm.empty_output` allocates it or as
+an earlier call returned it. The call writes into:
+
+- ``out.normed``: ``[T, H]`` in the op's dtype, contiguous (``None`` when the op has no normed output);
+- ``out.residual``: ``[T, H]``, contiguous, when the op is not in place (an in-place op writes the
+  residual into ``hidden_states``, and ignores this field);
+- ``out.quant.data`` and, for the formats that compute their scales (fp8_per_token, nvfp4, mxfp8),
+  ``out.quant.scale``: shaped, typed and laid out as :func:`arnorm.quant.empty_quantized` makes them
+  (fp8_static's scale and nvfp4's global scale are the call's ``scale``; those fields are ignored).
+
+Every destination is a distinct, contiguous tensor on the op's device that shares no byte with
+another destination or with ``hidden_states``, ``residual``, ``weight`` or ``scale``. An ``out``
+that passed the full check is trusted afterwards by identity, with its destinations' data pointers
+compared on each call (a ``t.data = ...`` swap is checked again); the overlap with the call's
+inputs is tested on every call, from the spans remembered at the check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from arnorm._errors import InvalidInputError
+from arnorm._formats import FORMAT_SPECS
+from arnorm._types import Output, QuantizedActivation
+
+__all__ = [
+    "CopyInto",
+    "OutRules",
+    "OutTrust",
+    "Spans",
+    "check_out",
+    "check_out_tensors",
+    "copy_into",
+    "empty_output",
+]
+
+#: Trusted ``out`` objects per op before the table starts over (bounded like weights).
+OUT_TRUST_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class OutRules:
+    """What one op writes: fixed at construction."""
+
+    hidden: int
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+    quant: str | None
+    layout: str | None
+    normed: bool
+    inplace: bool
+
+
+class Spans(NamedTuple):
+    """A checked ``out`` for ``rows`` tokens: each destination with the data pointer it had and its
+    ``[start, end)`` byte range (tested against the call's inputs on every call, each on its own:
+    an envelope of them would meet unrelated inputs that a caching allocator placed in between)."""
+
+    rows: int
+    dests: tuple[tuple[Any, int, int], ...]
+
+
+def _dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...], Any]]:
+    """``(argument, field, shape, dtype)`` of every destination for ``t`` tokens."""
+    import torch
+
+    dests: list[tuple[str, str, tuple[int, ...], Any]] = []
+    if rules.normed:
+        dests.append(("out.normed", "normed", (t, rules.hidden), rules.dtype))
+    if not rules.inplace:
+        dests.append(("out.residual", "residual", (t, rules.hidden), rules.dtype))
+    if rules.quant is not None:
+        spec = FORMAT_SPECS[rules.quant]
+        dests.append(
+            ("out.quant.data", "data", spec.data_shape(t, rules.hidden), getattr(torch, spec.data_dtype))
+        )
+        shape = spec.scale_shape(t, rules.hidden, rules.layout)
+        if shape is not None:
+            assert spec.scale_dtype is not None
+            dests.append(("out.quant.scale", "scale", shape, getattr(torch, spec.scale_dtype)))
+    return dests
+
+
+def _field(out: Output, field: str) -> Any:
+    if field in ("normed", "residual"):
+        return getattr(out, field)
+    return getattr(out.quant, field)
+
+
+def check_out_tensors(rules: OutRules, out: object, t: int) -> list[tuple[str, Any]]:
+    """Check ``out``'s structure and each destination's type, dtype, shape, device, layout and
+    autograd state for ``t`` tokens (no data pointers: a compiled call checks this much on fake
+    tensors); raise :class:`InvalidInputError` for the first thing wrong, else return
+    ``(argument, tensor)`` per destination."""
+    import torch
+
+    if not isinstance(out, Output):
+        raise InvalidInputError(
+            f"out: {type(out).__name__} (needs an arnorm.Output, e.g. op.empty_output({t}))"
+        )
+    if rules.quant is None and out.quant is not None:
+        raise InvalidInputError("out.quant: QuantizedActivation (needs None: the op does not quantize)")
+    if rules.quant is not None:
+        q = out.quant
+        if not isinstance(q, QuantizedActivation):
+            raise InvalidInputError(
+                f"out.quant: {type(q).__name__} "
+                f"(needs an arnorm.QuantizedActivation of format {rules.quant!r})"
+            )
+        if q.format != rules.quant:
+            raise InvalidInputError(
+                f"out.quant.format: {q.format!r} (needs {rules.quant!r}, the op's format)"
+            )
+        if rules.layout is not None and q.layout != rules.layout:
+            raise InvalidInputError(
+                f"out.quant.layout: {q.layout!r} (needs {rules.layout!r}, the op's layout)"
+            )
+    if not rules.normed and out.normed is not None:
+        raise InvalidInputError("out.normed: Tensor (needs None: the op was built with normed_output=False)")
+    dests = []
+    for arg, field, shape, dtype in _dest_shapes(rules, t):
+        d = _field(out, field)
+        if not isinstance(d, torch.Tensor):
+            raise InvalidInputError(
+                f"{arg}: {type(d).__name__} (needs a torch.Tensor of shape {list(shape)})"
+            )
+        if d.layout != torch.strided or d.is_nested:
+            raise InvalidInputError(f"{arg}: layout {d.layout} (needs a dense torch.strided tensor)")
+        if d.dtype != dtype:
+            raise InvalidInputError(f"{arg}: dtype {d.dtype} (needs {dtype})")
+        if tuple(d.shape) != shape:
+            raise InvalidInputError(f"{arg}: shape {list(d.shape)} (needs {list(shape)} for {t} tokens)")
+        if d.device != rules.device:
+            raise InvalidInputError(f"{arg}: device {d.device} (needs {rules.device}, the op's device)")
+        if not d.is_contiguous():
+            raise InvalidInputError(
+                f"{arg}: non-contiguous, strides {list(d.stride())} (needs .contiguous())"
+            )
+        if d.requires_grad:
+            raise InvalidInputError(
+                f"{arg}: requires grad (needs a buffer without autograd history: .detach())"
+            )
+        dests.append((arg, d))
+    return dests
+
+
+def check_out(rules: OutRules, out: object, t: int) -> Spans:
+    """Check ``out`` for ``t`` tokens on its own (not against the call's inputs): its tensors
+    (:func:`check_out_tensors`), 16-byte alignment, and no two destinations sharing a byte; raise
+    :class:`InvalidInputError` for the first thing wrong, else return its :class:`Spans`."""
+    dests = check_out_tensors(rules, out, t)
+    ranges: list[tuple[int, int]] = []
+    for arg, d in dests:
+        start = d.data_ptr()
+        if start % 16:
+            raise InvalidInputError(
+                f"{arg}: data pointer {start:#x} (needs 16-byte alignment, as torch.empty gives; "
+                "slice buffers at row boundaries of an aligned allocation)"
+            )
+        end = start + d.numel() * d.element_size()
+        for j, (a, b) in enumerate(ranges):
+            if start < b and a < end:
+                raise InvalidInputError(f"{arg}: overlaps {dests[j][0]} (needs a separate buffer)")
+        ranges.append((start, end))
+    return Spans(t, tuple((d, a, b) for (_, d), (a, b) in zip(dests, ranges, strict=True)))
+
+
+def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any], ...]) -> None:
+    """Raise when a destination shares a byte with one of the call's ``(name, tensor)`` inputs."""
+    from arnorm.op._check import span
+
+    names = [d[0] for d in _dest_shapes(rules, spans.rows)]
+    for name, t in inputs:
+        if t is None:
+            continue
+        rows, cols = (t.shape[0], t.shape[1]) if t.dim() == 2 else (1, t.numel())
+        a, b = span(t, rows, cols)
+        for arg, (_, s, e) in zip(names, spans.dests, strict=True):
+            if s < b and a < e:
+                raise InvalidInputError(f"{arg}: overlaps {name} (needs a separate buffer)")
+
+
+class OutTrust:
+    """``out`` objects that passed :func:`check_out`: ``id -> Spans``, bounded; the objects are kept
+    alive so an ``id`` is never reused while trusted."""
+
+    __slots__ = ("held", "rules", "table")
+
+    def __init__(self, rules: OutRules) -> None:
+        self.rules = rules
+        self.table: dict[int, Spans] = {}
+        self.held: list[Any] = []
+
+    def spans(self, out: Any, t: int) -> Spans:
+        """The checked spans of ``out`` for ``t`` tokens (checking it when it is new or changed)."""
+        # Hot path of every out= call: plain loops, no generators (each costs a frame).
+        s = self.table.get(id(out))
+        if s is not None and s[0] == t:
+            for d, p, _ in s[1]:
+                if d.data_ptr() != p:
+                    break
+            else:
+                return s
+        s = check_out(self.rules, out, t)
+        if len(self.held) >= OUT_TRUST_LIMIT:
+            self.table.clear()
+            self.held.clear()
+        self.table[id(out)] = s
+        self.held.append(out)
+        return s
+
+    def check(self, out: Any, t: int, tensors: tuple[Any, ...]) -> None:
+        """Raise :class:`InvalidInputError` unless ``out`` fits ``t`` tokens and shares no byte
+        with the call's inputs ``tensors``: ``(hidden_states, residual, weight, scale)``, each
+        ``None`` where absent. The op's call makes this test inline for an ``out`` found in
+        :attr:`table` with its pointers unchanged, and calls this otherwise."""
+        s = self.spans(out, t)
+        names = ("hidden_states", "residual", "weight", "scale")
+        check_out_inputs(s, self.rules, tuple(zip(names, tensors, strict=True)))
+
+
+def empty_output(rules: OutRules, t: int, scale: Any = None) -> Output:
+    """Uninitialized destinations for ``t`` tokens (``residual`` is ``None`` for an in-place op)."""
+    import torch
+
+    from arnorm.quant import empty_quantized
+
+    normed = torch.empty(t, rules.hidden, dtype=rules.dtype, device=rules.device) if rules.normed else None
+    residual = None if rules.inplace else torch.empty(t, rules.hidden, dtype=rules.dtype, device=rules.device)
+    quant = None
+    if rules.quant is not None:
+        spec = FORMAT_SPECS[rules.quant]
+        if spec.takes_scale and scale is None:
+            # The scale the output records (fp8_static's, nvfp4's global one) is the call's; out=
+            # ignores the field, so any fp32 [1] fits.
+            scale = torch.ones(1, dtype=torch.float32, device=rules.device)
+        quant = empty_quantized(
+            rules.quant, t, rules.hidden, device=rules.device, layout=rules.layout,
+            scale=scale if spec.takes_scale else None,
+        )  # fmt: skip
+    return Output(normed, residual, quant)  # type: ignore[arg-type]
+
+
+class CopyInto:
+    """A backend without ``Capabilities.caller_outputs`` serving ``out=``: it allocates its outputs
+    as usual and this copies them into the caller's buffers (correct; one extra pass over them)."""
+
+    def __init__(self, impl: Any, inplace: bool) -> None:
+        self.impl = impl
+        self._inplace = inplace
+
+    def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any, out: Output) -> Output:
+        return copy_into(self.impl(hidden_states, residual, weight, scale), out, self._inplace)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.impl, name)
+
+    def __repr__(self) -> str:
+        return f"CopyInto({self.impl!r})"
+
+
+def copy_into(got: Output, out: Output, inplace: bool) -> Output:
+    """``got``'s values in ``out``'s tensors, returned as the call's :class:`Output`."""
+    normed = None
+    if got.normed is not None:
+        normed = out.normed.copy_(got.normed)  # type: ignore[union-attr]
+    residual = got.residual if inplace else out.residual.copy_(got.residual)
+    quant = got.quant
+    if quant is not None:
+        dq = out.quant
+        assert dq is not None
+        data = dq.data.copy_(quant.data)
+        computed = FORMAT_SPECS[quant.format].scale_dtype is not None
+        qs = dq.scale.copy_(quant.scale) if computed else quant.scale
+        quant = QuantizedActivation(data, qs, quant.format, quant.layout, quant.global_scale)
+    return Output(normed, residual, quant)

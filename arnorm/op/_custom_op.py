@@ -1,0 +1,224 @@
+"""``torch.ops.arnorm.*``: the op as torch custom ops with fake implementations.
+
+``torch.compile`` cannot trace into backends (IPC workspaces, Triton launches, collectives), so a
+compiled model reaches the op through two opaque custom ops; the op object itself travels as an
+integer handle (a weak reference: a dropped op leaves no entry behind). ``all_reduce_norm_``
+mutates ``hidden_states`` (in-place ops) and returns the other outputs; ``all_reduce_norm``
+mutates nothing and returns the new residual first. With autograd recording, a compiled in-place
+call goes through the functional op and copies the residual back, because torch registers
+autograd formulas on functional ops only; the formula raises :class:`arnorm.InferenceOnlyError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from arnorm._types import Output, QuantizedActivation
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["call_custom_op", "register_handle", "unregister_handle"]
+
+_ops: dict[int, weakref.ReferenceType[Any]] = {}
+_ids = itertools.count(1)
+_lock = threading.Lock()
+_defined = False
+
+
+def register_handle(op: object) -> int:
+    """A process-unique integer standing for ``op`` inside compiled graphs; forgotten when ``op`` is."""
+    handle = next(_ids)
+    _ops[handle] = weakref.ref(op, lambda _ref, h=handle: _ops.pop(h, None))  # type: ignore[misc]
+    _define_ops()
+    return handle
+
+
+def unregister_handle(handle: int) -> None:
+    _ops.pop(handle, None)
+
+
+def live_handles() -> int:
+    """How many ops are registered (for leak tests)."""
+    return len(_ops)
+
+
+def _lookup(handle: int) -> Any:
+    ref = _ops.get(handle)
+    op = ref() if ref is not None else None
+    if op is None:
+        msg = f"handle: {handle} (needs a live arnorm.AllReduceNorm; this one was closed or collected)"
+        raise RuntimeError(msg)
+    return op
+
+
+def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
+    """The quantized outputs' shapes and dtypes, from the format table (``t`` may be symbolic)."""
+    import torch
+
+    from arnorm._formats import FORMAT_SPECS
+
+    p = op._problem
+    if p.quant is None:
+        return []
+    spec = FORMAT_SPECS[p.quant]
+    out = [
+        torch.empty(spec.data_shape(t, p.hidden_size), dtype=getattr(torch, spec.data_dtype), device=device)
+    ]
+    shape = spec.scale_shape(t, p.hidden_size, p.scale_layout)
+    if shape is not None:
+        assert spec.scale_dtype is not None
+        out.append(torch.empty(shape, dtype=getattr(torch, spec.scale_dtype), device=device))
+    return out
+
+
+def _fake_outputs(op: Any, hidden_states: torch.Tensor, with_residual: bool) -> tuple[torch.Tensor, ...]:
+    import torch
+
+    t = hidden_states.shape[0]
+    normed = torch.empty_like(hidden_states) if op._problem.normed_output else _placeholder(hidden_states)
+    q = [*_fake_quant(op, t, hidden_states.device), _placeholder(hidden_states), _placeholder(hidden_states)]
+    head = (torch.empty_like(hidden_states),) if with_residual else ()
+    return (*head, normed, q[0], q[1])
+
+
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    # The ops return a fixed tuple (torch cannot functionalize a mutating op returning Tensor[]):
+    # an absent output travels as an empty tensor.
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=like.device)
+
+
+def _flatten(out: Output, hidden_states: torch.Tensor, with_residual: bool) -> tuple[torch.Tensor, ...]:
+    q = out.quant
+    data = q.data if q is not None else _placeholder(hidden_states)
+    # fp8_static's scale is the caller's own tensor: an output may not alias an input.
+    scale = q.scale if q is not None and q.format != "fp8_static" else _placeholder(hidden_states)
+    normed = out.normed if out.normed is not None else _placeholder(hidden_states)
+    head = (out.residual,) if with_residual else ()
+    return (*head, normed, data, scale)
+
+
+def _unflatten(op: Any, residual: torch.Tensor, normed: Any, data: Any, qscale: Any, scale: Any) -> Output:
+    p = op._problem
+    quant = None
+    if p.quant == "fp8_static":
+        quant = QuantizedActivation(data, scale, p.quant, None)
+    elif p.quant == "fp8_per_token":
+        quant = QuantizedActivation(data, qscale, p.quant, None)
+    elif p.quant is not None:
+        quant = QuantizedActivation(
+            data, qscale, p.quant, p.scale_layout, scale if p.quant == "nvfp4" else None
+        )
+    return Output(normed if p.normed_output else None, residual, quant)
+
+
+def _define_ops() -> None:
+    global _defined
+    with _lock:
+        if _defined:
+            return
+        import torch
+
+        # Explicit schemas: annotations here are strings (future import) that infer_schema cannot evaluate.
+        @torch.library.custom_op(
+            "arnorm::all_reduce_norm_",
+            mutates_args=("hidden_states",),
+            schema="(int handle, Tensor(a!) hidden_states, Tensor? residual, Tensor weight, Tensor? scale)"
+            " -> (Tensor, Tensor, Tensor)",
+        )
+        def all_reduce_norm_(
+            handle: int,
+            hidden_states: torch.Tensor,
+            residual: torch.Tensor | None,
+            weight: torch.Tensor,
+            scale: torch.Tensor | None,
+        ) -> tuple[torch.Tensor, ...]:
+            return _flatten(_lookup(handle)(hidden_states, residual, weight, scale), hidden_states, False)
+
+        @all_reduce_norm_.register_fake
+        def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
+            return _fake_outputs(_lookup(handle), hidden_states, False)
+
+        @torch.library.custom_op(
+            "arnorm::all_reduce_norm",
+            mutates_args=(),
+            schema="(int handle, Tensor hidden_states, Tensor? residual, Tensor weight, Tensor? scale)"
+            " -> (Tensor, Tensor, Tensor, Tensor)",
+        )
+        def all_reduce_norm(
+            handle: int,
+            hidden_states: torch.Tensor,
+            residual: torch.Tensor | None,
+            weight: torch.Tensor,
+            scale: torch.Tensor | None,
+        ) -> tuple[torch.Tensor, ...]:
+            op = _lookup(handle)
+            # The functional op never writes its inputs; an in-place op reaches it only with autograd
+            # recording (see the module docstring) and works on a copy.
+            hs = hidden_states.clone() if op._problem.inplace else hidden_states
+            return _flatten(op(hs, residual, weight, scale), hs, True)
+
+        @all_reduce_norm.register_fake
+        def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
+            return _fake_outputs(_lookup(handle), hidden_states, True)
+
+        # The backward is an op of its own: AOT autograd traces it at compile time through the
+        # fake (so compiling a model whose parameters require grad works), and running it raises.
+        @torch.library.custom_op("arnorm::inference_only", mutates_args=(), schema="(Tensor like) -> Tensor")
+        def inference_only(like: torch.Tensor) -> torch.Tensor:
+            from arnorm._errors import InferenceOnlyError
+            from arnorm.op._guards import INFERENCE_ONLY
+
+            raise InferenceOnlyError(INFERENCE_ONLY)
+
+        @inference_only.register_fake
+        def _(like):  # type: ignore[no-untyped-def]
+            return torch.empty_like(like)
+
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            ctx.save_for_backward(inputs[1], inputs[2], inputs[3])
+
+        def backward(ctx: Any, *grads: Any) -> Any:
+            # Every differentiable input gets the raising op as its gradient, so that whichever
+            # one autograd needs (a weight that is a parameter, usually) runs it.
+            marks = [None if t is None else torch.ops.arnorm.inference_only(t) for t in ctx.saved_tensors]
+            return None, *marks, None
+
+        all_reduce_norm.register_autograd(backward, setup_context=setup_context)
+        _defined = True
+
+
+def call_custom_op(
+    op: Any,
+    handle: int,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    scale: Any,
+) -> Output:
+    """The compiled-graph path of ``AllReduceNorm.__call__``."""
+    import torch
+
+    grad = torch.is_grad_enabled() and (
+        hidden_states.requires_grad
+        or (residual is not None and residual.requires_grad)
+        or weight.requires_grad
+    )
+    if op._problem.inplace and grad:
+        h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(
+            handle, hidden_states, residual, weight, scale
+        )
+        hidden_states.copy_(h)
+        return _unflatten(op, hidden_states, normed, data, qscale, scale)
+    if op._problem.inplace:
+        normed, data, qscale = torch.ops.arnorm.all_reduce_norm_(
+            handle, hidden_states, residual, weight, scale
+        )
+        return _unflatten(op, hidden_states, normed, data, qscale, scale)
+    h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(handle, hidden_states, residual, weight, scale)
+    return _unflatten(op, h, normed, data, qscale, scale)

@@ -1,0 +1,376 @@
+"""``AllReduceNorm``: the object engines keep (construction, the checked call, lifetime)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from arnorm._config import Config, load_config
+from arnorm._errors import ArnormError, ArnormWarning, InvalidInputError
+from arnorm._problem import Problem
+from arnorm._types import Output, RMSNorm
+from arnorm.op._args import build_problem, resolve_device
+from arnorm.op._call import call, call_without_residual
+from arnorm.op._caller_outputs import CopyInto, OutRules, OutTrust, empty_output
+from arnorm.op._check import CallRules, needs_scale
+from arnorm.op._comm import Comm
+from arnorm.op._custom_op import register_handle, unregister_handle
+from arnorm.op._guards import Trust, no_backend, with_zero_residual
+from arnorm.registry._discovery import get_registry
+from arnorm.registry._explain import Explanation
+from arnorm.registry._failure import plugin_failure
+from arnorm.registry._select import Preference, agree, agreement_facts, load_settings, select
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AllReduceNorm"]
+
+_building = threading.Lock()
+
+
+def warn_unknown_names(pref: Preference, registry: Any, stacklevel: int = 5) -> None:
+    """A misspelt name in ARNORM_DISABLE, or in a preference list that another name satisfies,
+    would otherwise pass in silence (the CLI calls it too, before any work)."""
+    known = {i.name for i in registry.infos()}
+    named = pref.names if pref.names is not None and len(pref.names) > 1 else ()
+    for source, names in (("ARNORM_DISABLE / Config.disable", pref.disabled), (pref.source, named)):
+        for name in names:
+            if name not in known:
+                valid = ", ".join(sorted(known))
+                msg = f"{source}: {name!r} is not a registered backend (needs one of {valid})"
+                warnings.warn(msg, ArnormWarning, stacklevel=stacklevel)
+
+
+def _fast_path(name: str, impl: Any) -> Any:
+    """The backend's optional ``fast_path()`` function, or ``None`` (absent, declined, or broken)."""
+    get = getattr(impl, "fast_path", None)
+    if get is None:
+        return None
+    try:
+        fn = get()
+    except Exception as exc:  # plugin code: a broken fast path costs speed, never the op
+        warnings.warn(
+            f"arnorm: {name}.fast_path() raised {plugin_failure(exc)}; its calls go through __call__",
+            ArnormWarning,
+            3,
+        )
+        return None
+    if fn is not None and not callable(fn):
+        msg = f"arnorm: {name}.fast_path() returned {type(fn).__name__} (needs a function or None)"
+        warnings.warn(msg, ArnormWarning, 3)
+        return None
+    return fn
+
+
+class AllReduceNorm:
+    """Fused all-reduce + residual add + RMSNorm (+ quantization) over a tensor-parallel group.
+
+    For this rank's partial sum ``x_r`` ``[T, H]``, with ``D`` the op's dtype::
+
+        residual_out = D(D(sum_r fp32(x_r)) + residual)                         # -> Output.residual
+        normed       = D(residual_out * rsqrt(mean(residual_out**2) + eps) * (weight_offset + weight))
+        quant        = Q(normed)                                                # -> Output.quant
+
+    (with ``RMSNorm(round_before_weight=True)``, ``normed`` rounds ``residual_out * rsqrt(...)`` to
+    ``D`` before the weight multiply; with ``add_residual=False`` there is no residual and
+    ``residual_out = D(sum_r fp32(x_r))``). Construction is collective and does everything slow
+    (discovery, probing, cross-rank agreement, workspace creation) so that a call does no host
+    sync, no discovery and no allocation beyond its outputs. Every rank of ``tp_group`` builds the
+    op with the same arguments, from one thread, in the same order. One op serves every layer
+    with the same configuration: weights and scales are call arguments.
+
+    Args:
+        tp_group: the TP ``ProcessGroup`` (``torch.distributed.group.WORLD`` for every rank), or
+            :data:`arnorm.LOCAL` for a single process (no all-reduce).
+        hidden_size: ``H``.
+        dtype: ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+        norm: :class:`arnorm.RMSNorm` (``weight_offset=1.0`` for Gemma).
+        quant: ``None`` or ``"fp8_static"``, ``"fp8_per_token"``, ``"nvfp4"``, ``"mxfp8"``.
+        max_tokens: the largest ``T`` a call may pass; sizes workspaces.
+        backend: ``None`` for auto, or a name / ordered list of names (strict: no fallback).
+        normed_output: also return the normed activation in ``dtype``.
+        inplace: write the new residual into ``hidden_states``' buffer.
+        add_residual: ``False`` for an all-reduce + norm with no residual add (Gemma2/3's norm
+            right after the attention / MLP output): calls pass ``residual=None``, and no
+            residual is read.
+        scale_layout: nvfp4 / mxfp8 block-scale layout (defaults: ``swizzled_128x4`` / ``linear``).
+        device: where the tensors live (default: the current CUDA device, else CPU).
+        cpu_group: a gloo group over the same ranks, for agreement. Needed when ``tp_group`` is a
+            device (NCCL) group smaller than WORLD: pass the engine's TP CPU group.
+        config: :class:`arnorm.Config`; default reads the ``ARNORM_*`` environment.
+
+    Raises:
+        InvalidInputError, ConfigError: bad arguments or settings on some rank, or ranks that
+            disagree on them (raised on every rank).
+        NoEligibleBackendError: no backend can serve the problem on every rank.
+        BackendNotInstalledError, BackendBrokenError, BackendSetupError: a named backend cannot serve.
+    """
+
+    def __init__(
+        self,
+        tp_group: Any,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        norm: RMSNorm,
+        quant: str | None = None,
+        max_tokens: int = 8192,
+        backend: str | Sequence[str] | None = None,
+        normed_output: bool = True,
+        inplace: bool = True,
+        scale_layout: str | None = None,
+        device: torch.device | str | None = None,
+        cpu_group: Any = None,
+        config: Config | None = None,
+        add_residual: bool = True,
+    ) -> None:
+        self._closed = True  # until construction succeeds, so close() stays safe
+        self._chain: list[Any] = []
+        self._table: list[Any] = []
+        self._into_table: list[Any] = []
+        self._fast_table: list[Any] = []
+        if not _building.acquire(blocking=False):
+            msg = (
+                "AllReduceNorm: built from two threads at once "
+                "(needs ops built from one thread, in the same order on every rank)"
+            )
+            raise InvalidInputError(msg)
+        try:
+            self._build(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output,
+                        inplace, scale_layout, device, cpu_group, config, add_residual)  # fmt: skip
+        finally:
+            _building.release()
+
+    def _build(self, tp_group: Any, hidden_size: Any, dtype: Any, norm: Any, quant: Any, max_tokens: Any,
+               backend: Any, normed_output: Any, inplace: Any, scale_layout: Any, device: Any, cpu_group: Any,
+               config: Any, add_residual: Any) -> None:  # fmt: skip
+        import torch
+
+        # Everything that may fail on one rank only travels in the first gather, so every rank
+        # raises the same error instead of leaving the others waiting. The groups themselves must
+        # be right before anything can be gathered: a bad group raises here, on that rank.
+        error: ArnormError | None = None
+        facts: dict[str, Any] = {}
+        try:
+            dev = resolve_device(device)
+        except ArnormError as exc:
+            error, dev = exc, torch.device("cpu")
+        comm = Comm.resolve(tp_group, dev, cpu_group)
+        registry = get_registry()
+        try:
+            if error is not None:
+                raise error
+            problem = build_problem(
+                comm.world_size, hidden_size=hidden_size, dtype=dtype, norm=norm, quant=quant,
+                scale_layout=scale_layout, max_tokens=max_tokens, normed_output=normed_output,
+                inplace=inplace, device=dev, add_residual=add_residual,
+            )  # fmt: skip
+            if config is None:
+                config = load_config()
+            elif not isinstance(config, Config):
+                raise InvalidInputError(f"config: {type(config).__name__} (needs arnorm.Config(...))")
+            pref = Preference.resolve(backend, config)
+            settings = load_settings(registry, config)
+            warn_unknown_names(pref, registry)
+            facts = agreement_facts(problem, pref, config, settings)
+        except ArnormError as exc:
+            error = exc
+        agree(comm, facts, error)
+        plan = select(problem, comm, config, pref, registry, settings)
+        self._problem, self._comm, self._device = problem, comm, dev
+        caps = [registry.get(n).spec.capabilities for n in plan.explanation.chain]  # type: ignore[union-attr]
+        chain, explanation = plan.chain, plan.explanation
+        if not problem.add_residual:
+            chain = with_zero_residual(chain, [c.residual_free for c in caps], plan.table, problem, dev)
+            wrapped = [n for n, a, b in zip(explanation.chain, plan.chain, chain, strict=True) if a is not b]
+            if wrapped:  # not a rejection, but a cost the user should be able to see
+                note = (
+                    f"no residual: {', '.join(wrapped)} read rows of a -0.0 buffer as the residual "
+                    "(needs Capabilities(residual_free=True) to read none)"
+                )
+                explanation = dataclasses.replace(
+                    explanation, note="\n".join(filter(None, (explanation.note, note)))
+                )
+        self._explanation, self._chain = explanation, chain
+        self._table = [None if i < 0 else chain[i] for i in plan.table]
+        into = [
+            impl if c.caller_outputs else CopyInto(impl, problem.inplace)
+            for impl, c in zip(chain, caps, strict=True)
+        ]
+        self._into_table = [None if i < 0 else into[i] for i in plan.table]
+        # Fast paths are asked for once, and used only where the core calls the backend as it is
+        # (no CopyInto or ZeroResidual in between): their contract includes writing into out.
+        fast = [
+            _fast_path(name, impl) if impl is raw and c.caller_outputs else None
+            for name, impl, raw, c in zip(explanation.chain, chain, plan.chain, caps, strict=True)
+        ]
+        self._fast_table = [None if i < 0 else fast[i] for i in plan.table]
+        self._out_rules = OutRules(problem.hidden_size, getattr(torch, problem.dtype), dev, problem.quant,
+                                   problem.scale_layout, problem.normed_output, problem.inplace)  # fmt: skip
+        self._out_trust = OutTrust(self._out_rules)
+        strided = all(c.strided_rows for c in caps)
+        self._rules = CallRules(problem.hidden_size, problem.max_tokens, getattr(torch, problem.dtype),
+                                dev, problem.quant, needs_scale(problem.quant), problem.inplace,
+                                strided, problem.add_residual)  # fmt: skip
+        # Hot-path constants: attribute reads on self are most of the cost of a valid call.
+        self._max_tokens = problem.max_tokens
+        self._hidden = problem.hidden_size
+        self._dtype = self._rules.dtype
+        self._itemsize = torch.empty((), dtype=self._dtype).element_size()
+        self._row_bytes = problem.hidden_size * self._itemsize
+        self._strided = strided
+        self._on_cpu = dev.type == "cpu"
+        self._index = -1 if dev.index is None else dev.index
+        self._scaled = self._rules.needs_scale
+        self._inplace = problem.inplace
+        self._add_residual = problem.add_residual
+        self._trust = Trust(self._rules)
+        self._trusted_weights = self._trust.weights
+        self._trusted_scales = self._trust.scales
+        self._last_weight: Any = None
+        self._last_wptr = -1
+        # The call's token: list.pop is atomic, so two threads can never both hold it (a
+        # non-blocking Lock.acquire is too, at twice the cost per call).
+        self._token = [None]
+        self._out_spans = self._out_trust.table
+        self._check_calls = bool(config.check_calls)
+        self._seq = 0
+        self._is_compiling = torch.compiler.is_compiling
+        self._grad_enabled = torch.is_grad_enabled
+        # The C helper's copy of the test, where a backend has a fast path for it to call.
+        self._accept: Any = None
+        # Its first six fields are also the Python call's constants (one tuple unpacked per call).
+        self._accel_state = (
+            self._hidden, self._row_bytes, self._dtype, self._on_cpu, self._index, self._max_tokens,
+            self._scaled, self._add_residual, self._token, self._fast_table, self._trusted_weights,
+            self._trusted_scales, self._out_spans, self._grad_enabled,
+        )  # fmt: skip
+        self._consts = self._accel_state[:6]
+        if config.accelerate and not self._check_calls and any(f is not None for f in self._fast_table):
+            from arnorm.op._accel import accelerator
+
+            self._accept = accelerator().accept
+        self._handle = register_handle(self)
+        self._closed = False
+
+    # -- calls (arnorm.op._call) -------------------------------------------------------------
+
+    __call__ = call
+    _call_without_residual = call_without_residual
+
+    def empty_output(self, num_tokens: int, scale: torch.Tensor | None = None) -> Output:
+        """Uninitialized buffers for ``num_tokens`` tokens, to pass as ``out=`` (engines keeping buffers).
+
+        ``normed`` ``[T, H]`` when the op has a normed output; ``residual`` ``[T, H]`` when the op
+        is not in place, else ``None``; ``quant`` as :func:`arnorm.quant.empty_quantized` makes it
+        (``scale``: the fp32 ``[1]`` scale it records for fp8_static / nvfp4; out= ignores it).
+        """
+        return empty_output(self._out_rules, self._check_tokens_arg(num_tokens), scale)
+
+    def _closed_error(self) -> Exception:
+        return InvalidInputError("op: closed (needs a new arnorm.AllReduceNorm)")
+
+    def _check_tokens_arg(self, num_tokens: object) -> int:
+        if self._closed:
+            raise self._closed_error()
+        if (
+            not isinstance(num_tokens, int)
+            or isinstance(num_tokens, bool)
+            or not 0 < num_tokens <= self._max_tokens
+        ):
+            raise InvalidInputError(f"num_tokens: {num_tokens!r} (needs an int from 1 to {self._max_tokens})")
+        return num_tokens
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def problem(self) -> Problem:
+        """The static description this op was built for."""
+        return self._problem
+
+    @property
+    def backend(self) -> str:
+        """The selected backend (the first of the chain)."""
+        return self._explanation.chain[0]
+
+    def backend_for(self, num_tokens: int) -> str:
+        """The backend a call with ``num_tokens`` tokens runs on."""
+        impl = self._table[self._check_tokens_arg(num_tokens)]
+        if impl is None:
+            raise no_backend(num_tokens)
+        return self._explanation.chain[self._chain.index(impl)]
+
+    def input_buffer(self, num_tokens: int) -> torch.Tensor | None:
+        """A ``[T, H]`` view of this rank's registered buffer that the row-parallel GEMM may write into.
+
+        A call whose ``hidden_states`` is this view skips the copy into the backend's workspace
+        (zero-copy). ``None`` when the backend serving ``num_tokens`` has no such buffer. The
+        buffer belongs to the op: its contents change with every call.
+        """
+        impl = self._table[self._check_tokens_arg(num_tokens)]
+        get = getattr(impl, "input_buffer", None)
+        if get is None:
+            return None
+        return get(num_tokens)
+
+    def explain(self, num_tokens: int | None = None) -> Explanation:
+        """Every backend's verdict; with ``num_tokens``, also which one serves it and why not the others."""
+        if self._closed:
+            return dataclasses.replace(self._explanation, closed=True)
+        if num_tokens is None:
+            return self._explanation
+        t = self._check_tokens_arg(num_tokens)
+        served = self._table[t]
+        skipped = []
+        for name, impl in zip(self._explanation.chain, self._chain, strict=True):
+            if impl is served:
+                break
+            # Counts are served only where every rank serves them: this rank may have said yes.
+            reasons = tuple(impl.check_tokens(t)) or (
+                f"tokens: {t} (served on this rank, not on every rank)",
+            )
+            skipped.append((name, reasons))
+        backend = None if served is None else self._explanation.chain[self._chain.index(served)]
+        return dataclasses.replace(
+            self._explanation, num_tokens=t, token_backend=backend, token_reasons=tuple(skipped)
+        )
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the backends' workspaces. Idempotent; calls afterwards raise.
+
+        Local: it enters no collective, so ranks may close in any order (a backend that must
+        synchronize its peers does so in its own call path).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._table[:] = [None] * len(self._table)
+        self._into_table[:] = [None] * len(self._into_table)
+        self._fast_table[:] = [None] * len(self._fast_table)
+        unregister_handle(self._handle)
+        chain, self._chain = self._chain, []
+        for impl in chain:
+            try:
+                impl.close()
+            except BaseException as exc:  # plugin code: report, never leave the other backends open
+                warnings.warn(
+                    f"arnorm: {type(impl).__name__}.close() raised {plugin_failure(exc)}", ArnormWarning, 2
+                )
+
+    def __enter__(self) -> AllReduceNorm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if not hasattr(self, "_problem"):
+            return "AllReduceNorm(<not built>)"
+        state = "closed" if self._closed else "+".join(self._explanation.chain)
+        return f"AllReduceNorm({self._problem.short()}, backend={state})"

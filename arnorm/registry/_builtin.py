@@ -1,0 +1,30 @@
+"""The entry point of the in-tree ``reference`` backend: it registers like any third-party plugin."""
+
+from __future__ import annotations
+
+from arnorm.registry._capabilities import Capabilities
+from arnorm.registry._spec import BackendSpec, hookimpl
+
+__all__ = ["arnorm_backends"]
+
+
+@hookimpl
+def arnorm_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="reference",
+            priority=0,
+            capabilities=Capabilities(
+                platforms=frozenset({"cpu", "cuda", "rocm"}),
+                quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+                round_before_weight=True,
+                strided_rows=True,
+                residual_free=True,
+            ),
+            loader="arnorm._reference:ReferenceBackend",
+            requires=("torch",),
+            distribution="arnorm",
+            install_hint="pip install arnorm",
+            description="pure torch: all-gather + fp32 rank-order sum + add + RMSNorm + quant",
+        )
+    ]

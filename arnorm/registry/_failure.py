@@ -1,0 +1,40 @@
+"""A plugin's exception as one line of arnorm's grammar, for the registry and the probe alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["plugin_failure"]
+
+
+def plugin_failure(exc: BaseException) -> str:
+    """``"TypeError: ..."`` for anything a plugin raised, on one line; re-raises ``KeyboardInterrupt``.
+
+    A pydantic ``ValidationError`` (a bad ``Capabilities`` or ``BackendSpec`` field) becomes
+    ``"Capabilities.<field>: <found> (<what it needs>)"`` per error, instead of pydantic's
+    multi-line text.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(_validation_line(exc.title, e) for e in exc.errors())
+    return f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+
+
+def _validation_line(model: str, error: Any) -> str:
+    from arnorm.registry._capabilities import Capabilities
+
+    loc = ".".join(str(part) for part in error.get("loc", ()))
+    where = f"{model}.{loc}" if loc else model
+    if error.get("type") == "extra_forbidden":
+        fields = list(Capabilities.model_fields) if model == "Capabilities" else []
+        valid = f"one of: {', '.join(fields)}" if fields else "a declared field"
+        return f"{where}: not a field (needs {valid})"
+    from arnorm._settings import pydantic_needs
+
+    needs = pydantic_needs(error)
+    if error.get("type") == "value_error":
+        return f"{where}: {needs}"  # arnorm's own validators already speak the grammar
+    return f"{where}: {error.get('input')!r} ({needs})"

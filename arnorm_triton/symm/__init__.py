@@ -1,0 +1,1 @@
+"""The ``triton_symm`` backend: the all-reduce fused into one Triton kernel over torch symmetric memory."""
