@@ -23,11 +23,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal, get_args
 
-__all__ = ["FORMAT_SPECS", "LAYOUTS", "FormatSpec", "format_spec", "round_up"]
+__all__ = [
+    "FORMAT_SPECS",
+    "LAYOUTS",
+    "QUANT_FORMATS",
+    "FormatSpec",
+    "LayoutName",
+    "QuantName",
+    "format_spec",
+    "round_up",
+]
 
+#: The quantized formats, in the order the docs list them: the one place their names are typed.
+QuantName = Literal["fp8_static", "fp8_per_token", "nvfp4", "mxfp8"]
 #: Layouts of block scales (nvfp4, mxfp8).
-LAYOUTS: tuple[str, ...] = ("linear", "swizzled_128x4")
+LayoutName = Literal["linear", "swizzled_128x4"]
+
+QUANT_FORMATS: tuple[QuantName, ...] = get_args(QuantName)
+LAYOUTS: tuple[LayoutName, ...] = get_args(LayoutName)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -42,6 +57,9 @@ class FormatSpec:
     ``data_dtype`` / ``scale_dtype`` are torch dtype names (``getattr(torch, name)``);
     ``scale_dtype`` is ``None`` when the output's scale is the caller's input scale (fp8_static).
     ``elements_per_byte`` is 2 for nvfp4's packed e2m1 pairs (low nibble first), else 1.
+    ``takes_scale``: the call needs an fp32 ``[1]`` input scale. It is either the dequant scale the
+    output hands back as its own (``returns_input_scale``: fp8_static) or a global encode scale kept
+    beside computed block scales (``keeps_global_scale``: nvfp4).
     """
 
     name: str
@@ -51,6 +69,18 @@ class FormatSpec:
     elements_per_byte: int
     scale_dtype: str | None
     default_layout: str | None
+    #: An input scale that suits activations of magnitude ~1-8, for demos, benches and test cases.
+    sample_scale: float | None = None
+
+    @property
+    def returns_input_scale(self) -> bool:
+        """The output's scale is the caller's input scale (no scale is computed)."""
+        return self.takes_scale and self.scale_dtype is None
+
+    @property
+    def keeps_global_scale(self) -> bool:
+        """The output keeps the caller's input scale as ``global_scale`` beside computed scales."""
+        return self.takes_scale and self.scale_dtype is not None
 
     @property
     def layouts(self) -> tuple[str, ...]:
@@ -77,14 +107,15 @@ class FormatSpec:
 
 
 _SPECS = (
-    FormatSpec("fp8_static", None, True, "float8_e4m3fn", 1, None, None),
+    FormatSpec("fp8_static", None, True, "float8_e4m3fn", 1, None, None, sample_scale=0.02),
     FormatSpec("fp8_per_token", None, False, "float8_e4m3fn", 1, "float32", None),
-    FormatSpec("nvfp4", 16, True, "uint8", 2, "float8_e4m3fn", "swizzled_128x4"),
+    FormatSpec("nvfp4", 16, True, "uint8", 2, "float8_e4m3fn", "swizzled_128x4", sample_scale=448 * 6 / 8.0),
     FormatSpec("mxfp8", 32, False, "float8_e4m3fn", 1, "uint8", "linear"),
 )
 
 #: Every quantized format by name, in the order the docs list them.
 FORMAT_SPECS: Mapping[str, FormatSpec] = MappingProxyType({s.name: s for s in _SPECS})
+assert tuple(FORMAT_SPECS) == QUANT_FORMATS, "the format table and QuantName must list the same formats"
 
 
 def format_spec(name: str) -> FormatSpec:

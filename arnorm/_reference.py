@@ -1,6 +1,6 @@
 """The numerics contract in plain torch, and the ``reference`` backend built on it.
 
-Steps (DESIGN.md, "Numerics contract"), for partials ``x_r`` in dtype ``D``:
+Steps (docs/numerics.md, "The contract"), for partials ``x_r`` in dtype ``D``:
 
 1. ``s = D(sum_r fp32(x_r))``, fp32 accumulation in rank order, one rounding;
 2. ``h = D(fp32(s) + fp32(residual))``                                   -> ``Output.residual``

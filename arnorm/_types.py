@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from arnorm import _formats
+
 if TYPE_CHECKING:
     import torch
 
@@ -22,9 +24,9 @@ __all__ = [
 ]
 
 #: Quantized output formats, in the order the docs list them (``None`` means no quantized output).
-QUANT_FORMATS: tuple[str, ...] = ("fp8_static", "fp8_per_token", "nvfp4", "mxfp8")
+QUANT_FORMATS: tuple[str, ...] = _formats.QUANT_FORMATS
 #: Layouts of block scales (nvfp4, mxfp8).
-SCALE_LAYOUTS: tuple[str, ...] = ("linear", "swizzled_128x4")
+SCALE_LAYOUTS: tuple[str, ...] = _formats.LAYOUTS
 
 
 class LocalGroup:

@@ -43,7 +43,7 @@ class FlashInferBackend:
     residual and the weight before the kernel's grid-dependency wait (0.7.4 waits first), so with
     PDL a producer that signals completion early could be read too soon.
 
-    Numerics (read in the kernel source; DESIGN.md's contract): the sum is accumulated in
+    Numerics (read in the kernel source; docs/numerics.md's contract): the sum is accumulated in
     fp32 in rank order 0..N-1 and rounded once, then the residual is added in fp32 and rounded, and
     the statistic is taken over that rounded residual, which is arnorm's order. ``residual`` is
     bitwise equal to the reference, except that the one-shot kernel turns ``-0.0`` partials into

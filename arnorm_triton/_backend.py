@@ -6,7 +6,7 @@ Per call, for this rank's partial ``hidden_states`` ``[T, H]``:
 - TP > 1, default: ``torch.distributed.all_reduce`` (NCCL on CUDA, RCCL on ROCm, gloo on CPU) in
   place, then the kernel. The collective sums in the dtype, in the library's order (NCCL: ring or
   tree), so ``s`` may differ from the reference's fp32 rank-order sum by rounding; the contract
-  then holds given that ``s`` (DESIGN.md, "Numerics contract").
+  then holds given that ``s`` (docs/numerics.md, section 1).
 - TP > 1, ``ARNORM_TRITON_EXACT=1``: all-gather the partials into a rank-major ``[W * T, H]`` view
   of a buffer built at setup, and the kernel sums them in fp32 from rank 0 up with one rounding:
   bitwise the reference's ``s`` at any TP size. Cost: every rank receives ``(W - 1) * T * H``

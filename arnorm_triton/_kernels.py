@@ -1,6 +1,6 @@
 """The Triton kernels: one shared norm/quant epilogue, and the fused kernel of the ``triton`` backend.
 
-Per row ``t`` (``H`` = hidden size, ``D`` = the dtype, ``W`` = ``NUM_PARTIALS``; DESIGN.md,
+Per row ``t`` (``H`` = hidden size, ``D`` = the dtype, ``W`` = ``NUM_PARTIALS``; docs/numerics.md,
 "Numerics contract")::
 
     s   = D(sum_{r<W} fp32(x[r, t]))              # W = 1: x is the already all-reduced sum

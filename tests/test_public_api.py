@@ -21,7 +21,7 @@ def test_all_lists_exactly_the_public_names():
 
 
 def test_design_names_exist():
-    """Every name DESIGN.md fixes is exported."""
+    """Every name docs/architecture.md and the README fix is exported."""
     for name in (
         "RMSNorm",
         "AllReduceNorm",

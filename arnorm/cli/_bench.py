@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from arnorm._formats import FORMAT_SPECS
 from arnorm.cli._bench_report import BASELINE, combine, render_table, write_plot
 
 if TYPE_CHECKING:
@@ -45,8 +46,6 @@ __all__ = [
 ]
 
 EPS = 1e-6
-#: Dequant scale (fp8_static) or global encode scale (nvfp4) used for the timed calls.
-SCALES = {"fp8_static": 0.02, "nvfp4": 448 * 6 / 8.0}
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: The token sweep when ``--tokens`` is not given, by "on a GPU".
 DEFAULT_TOKENS = {False: "1,16,128,1024", True: "1,16,128,1024,8192"}
@@ -195,7 +194,8 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     partial = torch.randn(max_t, hidden, generator=g).to(dtype).to(device)
     residual = torch.randn(max_t, hidden, generator=g).to(dtype).to(device)
     weight = (torch.randn(hidden, generator=g) * 0.1).to(dtype).to(device)
-    scale = torch.tensor([SCALES[quant]], device=device) if quant in SCALES else None
+    sample = FORMAT_SPECS[quant].sample_scale if quant else None
+    scale = torch.tensor([sample], device=device) if sample is not None else None
     cpu_group = None if str(dist.get_backend()) == "gloo" else dist.new_group(backend="gloo")
     graphs = cuda and not opts["eager"]
 

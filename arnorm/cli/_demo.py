@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import Any
 
+from arnorm._formats import FORMAT_SPECS
+
 __all__ = ["DEFAULTS", "pick_device", "run"]
 
 #: Values of the synthetic stack's options when not given (``None`` on the command line, so that
@@ -95,9 +97,8 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         # Row-parallel linear: this rank holds input columns [rank*shard, (rank+1)*shard).
         cols = slice(rank * shard, (rank + 1) * shard)
         partial = (x[:, cols].float() @ w_full[:, cols].float().t()).to(dtype)
-        scale = None
-        if quant in ("fp8_static", "nvfp4"):
-            scale = torch.tensor([0.02 if quant == "fp8_static" else 448 * 6 / 4.0], device=device)
+        sample = FORMAT_SPECS[quant].sample_scale if quant else None
+        scale = torch.tensor([sample], device=device) if sample is not None else None
         ref_h, ref_y, ref_q = _unfused(
             partial, residual, gamma, norm.eps, norm.weight_offset, quant, scale, op.problem.scale_layout
         )

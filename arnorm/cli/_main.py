@@ -14,13 +14,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from arnorm._formats import LAYOUTS, QUANT_FORMATS
 from arnorm.cli._usage import UsageError
 
 __all__ = ["build_parser", "main"]
 
 DTYPES = ("bfloat16", "float16", "float32")
-QUANTS = ("none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8")
-LAYOUTS = ("linear", "swizzled_128x4")
+QUANTS = ("none", *QUANT_FORMATS)
 MODELS = ("llama", "gemma3")
 
 DESCRIPTION = """\

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import InvalidInputError
+from arnorm._formats import FORMAT_SPECS
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,6 @@ __all__ = ["CallRules", "check_call", "needs_scale", "span"]
 
 def needs_scale(quant: str | None) -> bool:
     """fp8_static takes the dequant scale, nvfp4 the global encode scale; the others compute theirs."""
-    from arnorm._formats import FORMAT_SPECS
 
     return quant is not None and FORMAT_SPECS[quant].takes_scale
 
@@ -143,7 +143,7 @@ def check_call(
     if not w.is_contiguous():
         raise InvalidInputError(f"weight: non-contiguous, strides {list(w.stride())} (needs .contiguous())")
     if rules.needs_scale:
-        what = "dequant" if rules.quant == "fp8_static" else "global encode"
+        what = "dequant" if rules.quant and FORMAT_SPECS[rules.quant].returns_input_scale else "global encode"
         if scale is None:
             raise InvalidInputError(
                 f"scale: missing (needs the fp32 [1] {what} scale for quant={rules.quant!r})"

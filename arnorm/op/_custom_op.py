@@ -16,6 +16,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from arnorm._formats import FORMAT_SPECS
 from arnorm._types import Output, QuantizedActivation
 
 if TYPE_CHECKING:
@@ -59,8 +60,6 @@ def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
     """The quantized outputs' shapes and dtypes, from the format table (``t`` may be symbolic)."""
     import torch
 
-    from arnorm._formats import FORMAT_SPECS
-
     p = op._problem
     if p.quant is None:
         return []
@@ -97,7 +96,11 @@ def _flatten(out: Output, hidden_states: torch.Tensor, with_residual: bool) -> t
     q = out.quant
     data = q.data if q is not None else _placeholder(hidden_states)
     # fp8_static's scale is the caller's own tensor: an output may not alias an input.
-    scale = q.scale if q is not None and q.format != "fp8_static" else _placeholder(hidden_states)
+    scale = (
+        q.scale
+        if q is not None and not FORMAT_SPECS[q.format].returns_input_scale
+        else _placeholder(hidden_states)
+    )
     normed = out.normed if out.normed is not None else _placeholder(hidden_states)
     head = (out.residual,) if with_residual else ()
     return (*head, normed, data, scale)
@@ -106,13 +109,14 @@ def _flatten(out: Output, hidden_states: torch.Tensor, with_residual: bool) -> t
 def _unflatten(op: Any, residual: torch.Tensor, normed: Any, data: Any, qscale: Any, scale: Any) -> Output:
     p = op._problem
     quant = None
-    if p.quant == "fp8_static":
-        quant = QuantizedActivation(data, scale, p.quant, None)
-    elif p.quant == "fp8_per_token":
-        quant = QuantizedActivation(data, qscale, p.quant, None)
-    elif p.quant is not None:
+    if p.quant is not None:
+        spec = FORMAT_SPECS[p.quant]
         quant = QuantizedActivation(
-            data, qscale, p.quant, p.scale_layout, scale if p.quant == "nvfp4" else None
+            data,
+            scale if spec.returns_input_scale else qscale,
+            p.quant,
+            p.scale_layout if spec.block_size else None,
+            scale if spec.keeps_global_scale else None,
         )
     return Output(normed if p.normed_output else None, residual, quant)
 

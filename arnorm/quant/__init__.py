@@ -5,7 +5,9 @@ dtype-rounded normed activation): the reference backend calls them and every bac
 is compared with them bitwise. They are vectorized, run on any device, and the fp8 paths never
 sync with the host. ``docs/numerics.md`` states each rule and how production kernels compare.
 
->>> import torch
+>>> from collections.abc import Callable
+
+import torch
 >>> from arnorm import quant
 >>> y = torch.tensor([[1.0, -2.0, 500.0, 0.1]])
 >>> q = quant.quantize(y, "fp8_static", scale=torch.tensor([1.0]))
@@ -14,6 +16,8 @@ sync with the host. ``docs/numerics.md`` states each rule and how production ker
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -69,19 +73,17 @@ def quantize(
     y = check_input(y).detach()  # quantization is not differentiable; keep autograd out of it
     resolved = check_format(format, layout, int(y.shape[1]))
     check_scale(format, scale, y.device)
-    if format == "fp8_static":
-        assert scale is not None
-        return QuantizedActivation(quantize_fp8_static(y, scale.detach()), scale, format)
-    if format == "fp8_per_token":
-        data, token_scale = quantize_fp8_per_token(y)
-        return QuantizedActivation(data, token_scale, format)
-    assert resolved is not None
-    if format == "nvfp4":
-        assert scale is not None
-        packed, block_scales = quantize_nvfp4(y, scale.detach(), resolved)
-        return QuantizedActivation(packed, block_scales, format, resolved, scale)
-    data, exponents = quantize_mxfp8(y, resolved)
-    return QuantizedActivation(data, exponents, format, resolved)
+    spec = FORMAT_SPECS[format]
+    data, computed = _CODECS[format][0](y, scale.detach() if scale is not None else None, resolved)
+    out_scale = scale if spec.returns_input_scale else computed
+    assert out_scale is not None  # check_scale saw an input scale; the codec computed the others
+    return QuantizedActivation(
+        data,
+        out_scale,
+        format,
+        resolved,
+        scale if spec.keeps_global_scale else None,
+    )
 
 
 def _check_quantized(q: QuantizedActivation) -> None:
@@ -99,11 +101,11 @@ def _check_quantized(q: QuantizedActivation) -> None:
         raise InvalidInputError(f"data: {found} (needs a 2-D {data_dtype} tensor for {fmt})")
     rows, hidden = int(data.shape[0]), int(data.shape[1]) * spec.elements_per_byte
     check_format(fmt, q.layout, hidden)
-    if fmt == "fp8_per_token" and tuple(q.scale.shape) != (rows, 1):
-        raise InvalidInputError(f"scale: shape {list(q.scale.shape)} (needs [{rows}, 1] for fp8_per_token)")
-    if fmt == "fp8_static":
+    if spec.block_size is None and spec.scale_dtype is not None and tuple(q.scale.shape) != (rows, 1):
+        raise InvalidInputError(f"scale: shape {list(q.scale.shape)} (needs [{rows}, 1] for {fmt})")
+    if spec.returns_input_scale:
         check_scale(fmt, q.scale, data.device)
-    if fmt == "nvfp4":
+    if spec.keeps_global_scale:
         check_scale(fmt, q.global_scale, data.device)
 
 
@@ -113,9 +115,27 @@ def dequantize(q: QuantizedActivation) -> torch.Tensor:
     product of fp8 codes with an fp32 scale; nvfp4 is ``e2m1 * fp32(SF) / global_scale``.
     """
     _check_quantized(q)
-    if q.format in ("fp8_static", "fp8_per_token"):
-        return dequantize_fp8(q.data, q.scale)
-    if q.format == "nvfp4":
-        assert q.global_scale is not None
-        return dequantize_nvfp4(q.data, q.scale, q.global_scale, q.layout)
-    return dequantize_mxfp8(q.data, q.scale, q.layout)
+    return _CODECS[q.format][1](q)
+
+
+# Each format's codec: (encode(y, input scale, layout) -> (codes, computed scale or None),
+# decode(q) -> fp32). The keys are the format table's; a test holds them equal.
+_Encode = Callable[..., "tuple[torch.Tensor, torch.Tensor | None]"]
+_CODECS: dict[str, tuple[_Encode, Callable[..., torch.Tensor]]] = {
+    "fp8_static": (
+        lambda y, scale, layout: (quantize_fp8_static(y, scale), None),
+        lambda q: dequantize_fp8(q.data, q.scale),
+    ),
+    "fp8_per_token": (
+        lambda y, scale, layout: quantize_fp8_per_token(y),
+        lambda q: dequantize_fp8(q.data, q.scale),
+    ),
+    "nvfp4": (
+        lambda y, scale, layout: quantize_nvfp4(y, scale, layout),
+        lambda q: dequantize_nvfp4(q.data, q.scale, q.global_scale, q.layout),
+    ),
+    "mxfp8": (
+        lambda y, scale, layout: quantize_mxfp8(y, layout),
+        lambda q: dequantize_mxfp8(q.data, q.scale, q.layout),
+    ),
+}

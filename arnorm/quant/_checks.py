@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from arnorm._errors import InvalidInputError
-from arnorm._formats import FORMAT_SPECS, round_up
-from arnorm._types import QUANT_FORMATS, SCALE_LAYOUTS
+from arnorm._formats import FORMAT_SPECS, QUANT_FORMATS, round_up
+from arnorm._formats import LAYOUTS as SCALE_LAYOUTS
 
 __all__ = [
     "BLOCK_SIZES",

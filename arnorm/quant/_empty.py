@@ -43,4 +43,4 @@ def empty_quantized(
     make = torch.zeros if zero_padding and resolved == "swizzled_128x4" else torch.empty
     assert spec.scale_dtype is not None
     scales = make(shape, dtype=getattr(torch, spec.scale_dtype), device=device)
-    return QuantizedActivation(data, scales, format, resolved, scale if format == "nvfp4" else None)
+    return QuantizedActivation(data, scales, format, resolved, scale if spec.keeps_global_scale else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from arnorm._formats import QUANT_FORMATS
 from arnorm.registry._capabilities import Capabilities
 from arnorm.registry._spec import BackendSpec, hookimpl
 
@@ -16,7 +17,7 @@ def arnorm_backends() -> list[BackendSpec]:
             priority=0,
             capabilities=Capabilities(
                 platforms=frozenset({"cpu", "cuda", "rocm"}),
-                quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+                quant=frozenset({"none", *QUANT_FORMATS}),
                 round_before_weight=True,
                 strided_rows=True,
                 residual_free=True,

@@ -8,14 +8,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from arnorm import _formats
 from arnorm._problem import Problem
 
 __all__ = ["Capabilities", "check_capabilities", "join_or"]
 
 Platform = Literal["cpu", "cuda", "rocm"]
 Dtype = Literal["bfloat16", "float16", "float32"]
-QuantName = Literal["none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"]
-Layout = Literal["linear", "swizzled_128x4"]
+#: ``"none"`` (no quantized output) or a format of :mod:`arnorm._formats`.
+QuantName = Literal["none", _formats.QuantName]
+Layout = _formats.LayoutName
 
 
 class Capabilities(BaseModel):
@@ -50,7 +52,7 @@ class Capabilities(BaseModel):
     dtypes: frozenset[Dtype] = frozenset({"bfloat16", "float16", "float32"})
     quant: frozenset[QuantName] = frozenset({"none"})
     quant_dtypes: dict[QuantName, frozenset[Dtype]] = Field(default_factory=dict)
-    scale_layouts: frozenset[Layout] = frozenset({"linear", "swizzled_128x4"})
+    scale_layouts: frozenset[Layout] = frozenset(_formats.LAYOUTS)
     world_sizes: frozenset[int] | None = None
     min_world_size: int = 1
     min_arch: tuple[int, int] | None = None

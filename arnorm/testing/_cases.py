@@ -15,6 +15,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from arnorm._formats import FORMAT_SPECS
 from arnorm.testing._compare import (
     CodeMismatch,
     Mismatch,
@@ -108,11 +109,8 @@ def exact_inputs(case: Case, world: int, device: Any) -> tuple[list[Any], Any, A
     partials = [grid(case.tokens, case.hidden) for _ in range(world)]
     residual = grid(case.tokens, case.hidden)
     weight = (torch.randn(case.hidden, generator=g) * 0.2).to(dtype).to(device)
-    scale = None
-    if case.quant == "fp8_static":
-        scale = torch.tensor([0.01], device=device)
-    elif case.quant == "nvfp4":
-        scale = torch.tensor([448 * 6 / 8.0], device=device)
+    sample = FORMAT_SPECS[case.quant].sample_scale if case.quant else None
+    scale = torch.tensor([sample], device=device) if sample is not None else None
     return partials, residual, weight, scale
 
 

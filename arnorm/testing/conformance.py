@@ -51,12 +51,18 @@ from typing import Any, ClassVar
 
 import pytest
 
+from arnorm._formats import FORMAT_SPECS
 from arnorm.testing._cases import Case, CaseResult, bad_inputs_then_good, run_cases
 from arnorm.testing._ranks import run_ranks
 
 __all__ = ["ConformanceSuite"]
 
-LAYOUTS = {"nvfp4": ("swizzled_128x4", "linear"), "mxfp8": ("linear", "swizzled_128x4")}
+#: Each block format's layouts, its default first.
+LAYOUTS = {
+    name: (spec.default_layout, *(x for x in spec.layouts if x != spec.default_layout))
+    for name, spec in FORMAT_SPECS.items()
+    if spec.block_size
+}
 #: Registry statuses that mean "not usable on this machine" rather than "broken".
 ABSENT = frozenset({"not_installed", "outdated"})
 #: A declared (dtype, format, scale layout, hidden multiple).

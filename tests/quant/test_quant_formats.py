@@ -81,7 +81,7 @@ def oracle_mxfp8(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _swizzle_loop(linear: np.ndarray) -> np.ndarray:
-    """The DESIGN.md offset formula, one element at a time."""
+    """docs/numerics.md's offset formula, one element at a time."""
     rows, cols = linear.shape
     rows_p, cols_p = -(-rows // 128) * 128, -(-cols // 4) * 4
     out = np.zeros(rows_p * cols_p, np.uint8)

@@ -1,4 +1,4 @@
-"""The 128x4 scale swizzle: byte offsets against the DESIGN.md formula, padding, exact round trips."""
+"""The 128x4 scale swizzle: byte offsets against docs/numerics.md's formula, padding, exact round trips."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _offset(m: int, k: int, cols: int) -> int:
-    """DESIGN.md: (m//128)*ceil(C/4)*512 + (k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4."""
+    """docs/numerics.md: (m//128)*ceil(C/4)*512 + (k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + k%4."""
     return (
         (m // 128) * ((cols + 3) // 4) * 512 + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + k % 4
     )
@@ -29,7 +29,7 @@ def _random_bytes(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize(("rows", "cols"), [(1, 1), (7, 3), (32, 4), (129, 6), (200, 9), (256, 5)])
 def test_swizzle_offsets_match_design_formula(rows: int, cols: int) -> None:
-    """Each scale (m, k) lands at the DESIGN.md byte offset; every other byte is zero padding."""
+    """Each scale (m, k) lands at docs/numerics.md's byte offset; every other byte is zero padding."""
     lin = _random_bytes(rows, cols)
     swz = swizzle_128x4(lin)
     assert swz.shape == (_round_up(rows, 128), _round_up(cols, 4)) and swz.is_contiguous()

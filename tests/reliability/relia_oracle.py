@@ -1,4 +1,4 @@
-"""An independent oracle of the numerics contract (DESIGN.md), in numpy float64; nothing from arnorm.
+"""An independent oracle of the numerics contract (docs/numerics.md), in numpy float64; nothing from arnorm.
 
 Rounding onto bf16, fp16, e4m3fn and e2m1 goes through ``ml_dtypes`` / numpy casts (round to
 nearest even), saturation is a clip before the cast. Every fp32 operation the contract names is
@@ -11,7 +11,7 @@ correctly rounded fp32 result (float64 carries more than 2 * 24 + 2 bits).
   within a relative ``DELTA`` of the exact value before its final rounding(s), so its result lies
   between the roundings of ``v * (1 - DELTA)`` and ``v * (1 + DELTA)`` (rounding is monotone). For
   bf16 / fp16 that is the one or two neighbours of the exact value, i.e. within 1 ulp.
-- Step 4 (the quantizers) is exact given the normed activation, per DESIGN.md's formats.
+- Step 4 (the quantizers) is exact given the normed activation, per docs/numerics.md's formats.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def ue8m0_round_up(p: np.ndarray) -> np.ndarray:
 
 
 def swizzle_128x4(scales: np.ndarray) -> np.ndarray:
-    """Row-major ``[T, C]`` bytes -> ``[round_up(T, 128), round_up(C, 4)]`` in 128x4 order (DESIGN.md)."""
+    """Row-major ``[T, C]`` bytes -> ``[round_up(T, 128), round_up(C, 4)]`` in 128x4 order.
+
+    The order is docs/numerics.md's, section 4."""
     rows, cols = scales.shape
     rows_p, cols_p = -(-rows // 128) * 128, -(-cols // 4) * 4
     out = np.zeros(rows_p * cols_p, dtype=np.uint8)

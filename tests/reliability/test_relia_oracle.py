@@ -1,5 +1,5 @@
 """The fuzz's oracle checks itself: its quantizers agree bit for bit with arnorm.quant (two independent
-implementations of DESIGN.md's formats), and its steps 1-3 hold arnorm's reference on hand values."""
+implementations of docs/numerics.md's formats), and its steps 1-3 hold arnorm's reference on hand values."""
 
 from __future__ import annotations
 

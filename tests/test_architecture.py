@@ -1,0 +1,148 @@
+"""The layout's rules (docs/architecture.md): no module-level import circles, one table of formats,
+and no reference to a design document outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import typing
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("arnorm", "arnorm_triton", "arnorm_flashinfer", "arnorm_aiter")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            mods[name] = path
+    return mods
+
+
+def _module_level_imports(path: pathlib.Path) -> list[str]:
+    """First-party names imported when the module is imported: not inside functions, not under
+    ``TYPE_CHECKING``."""
+    names = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    for sub in getattr(node, field, []):
+                        visit(sub.body if isinstance(sub, ast.ExceptHandler) else [sub])
+            elif isinstance(node, ast.Import):
+                names.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.extend(f"{node.module}.{a.name}" for a in node.names)
+
+    visit(ast.parse(path.read_text()).body)
+    return names
+
+
+def _import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for name in _module_level_imports(path):
+            target = resolve(name)
+            # A package importing its own submodules to re-export them is its own room, not a circle.
+            if target and target != mod and not target.startswith(mod + "."):
+                graph[mod].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+def test_no_module_level_import_circles():
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_planted_circle_is_found():
+    """The detector itself: a two-module circle is reported."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+def test_format_names_derive_from_the_one_table():
+    from arnorm import _formats, quant
+    from arnorm.registry import _capabilities
+
+    assert tuple(_formats.FORMAT_SPECS) == _formats.QUANT_FORMATS == typing.get_args(_formats.QuantName)
+    assert set(quant._CODECS) == set(_formats.FORMAT_SPECS)
+    declared = set()
+    for arg in typing.get_args(_capabilities.QuantName):
+        declared.update(typing.get_args(arg) or (arg,))
+    assert declared == {"none", *_formats.QUANT_FORMATS}
+    import arnorm
+
+    assert arnorm.QUANT_FORMATS == _formats.QUANT_FORMATS
+    assert arnorm.SCALE_LAYOUTS == _formats.LAYOUTS
+
+
+@pytest.mark.parametrize("name", ["fp8_static", "fp8_per_token", "nvfp4", "mxfp8"])
+def test_format_flags(name):
+    from arnorm._formats import FORMAT_SPECS
+
+    spec = FORMAT_SPECS[name]
+    assert spec.returns_input_scale == (name == "fp8_static")
+    assert spec.keeps_global_scale == (name == "nvfp4")
+    assert (spec.sample_scale is not None) == spec.takes_scale
+
+
+def test_nothing_cites_a_design_document_outside_the_repository():
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    offenders = []
+    for rel in files.stdout.split():
+        if rel.startswith(("benchmarks/results/", "lab/results/")) or rel == "tests/test_architecture.py":
+            continue
+        path = REPO / rel
+        if path.suffix not in {".py", ".md", ".sh", ".toml", ".c"} or not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        if "DESIGN.md" in text or "the DESIGN" in text:
+            offenders.append(rel)
+    assert offenders == []
