@@ -2,7 +2,9 @@
 
 TP 1 on CPU. The backend is replaced by a stub that returns at once, so the figure is arnorm's
 own cost (validation, token-count dispatch, the torch.compile check), not the math's. Target:
-under 2 microseconds. Writes ``benchmarks/results/dispatch-<date>.md``.
+under 2 microseconds. A second table times a backend with a fast path (the call hands it the data
+pointers its test read), with the valid-call test in Python and in arnorm's C helper: the figure
+that says whether the C helper still pays for itself. Writes ``benchmarks/results/dispatch-<date>.md``.
 
     python benchmarks/bench_dispatch.py
 """
@@ -27,8 +29,18 @@ class _Stub:
         return ()
 
 
-def measure(quant: str | None, number: int = 100_000, repeat: int = 7) -> tuple[float, float]:
-    """(median-of-min op call, direct stub call) in microseconds."""
+_DONE = object()
+
+
+def _fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp):
+    return _DONE
+
+
+def measure(
+    quant: str | None, number: int = 100_000, repeat: int = 7, test: str | None = None
+) -> tuple[float, float]:
+    """(best op call, direct stub call) in microseconds. ``test``: ``None`` times a backend without
+    a fast path; ``"python"`` / ``"c"`` a backend with one, tested in Python or in the C helper."""
     h = 4096
     op = arnorm.AllReduceNorm(
         arnorm.LOCAL,
@@ -45,6 +57,14 @@ def measure(quant: str | None, number: int = 100_000, repeat: int = 7) -> tuple[
     s = torch.ones(1) if quant == "fp8_static" else None
     stub = _Stub()
     op._table[1:] = [stub] * (len(op._table) - 1)  # every token count dispatches to the stub
+    if test is not None:
+        from arnorm.op._accel import accelerator
+
+        op._fast_table[1:] = [_fast] * (len(op._fast_table) - 1)  # the list the C state holds too
+        op._accept = accelerator().accept if test == "c" else None
+        if test == "c" and op._accept is None:
+            raise SystemExit(f"the C helper is not available: {accelerator().reason}")
+        assert op(x, r, w, s) is _DONE
 
     def via_op():
         op(x, r, w, s)
@@ -75,6 +95,18 @@ def main() -> None:
     ]
     for q, a, b, d in rows:
         lines.append(f"| {q} | {a:.2f} | {b:.2f} | {d:.2f} | {'met' if d < 2 else 'MISSED'} (< 2 us) |")
+    lines += [
+        "",
+        "A backend with a fast path, the call's test in Python (`Config(accelerate=False)`)"
+        " and in the C helper:",
+        "",
+        "| quant | Python test (us) | C test (us) | the C helper saves (us) |",
+        "|---|---:|---:|---:|",
+    ]
+    for quant in (None, "fp8_static"):
+        py, _ = measure(quant, test="python")
+        c, _ = measure(quant, test="c")
+        lines.append(f"| {quant or 'none'} | {py:.2f} | {c:.2f} | {py - c:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     out = pathlib.Path(__file__).parent / "results" / f"dispatch-{date}.md"

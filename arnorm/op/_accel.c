@@ -16,9 +16,9 @@
 
 typedef unsigned long long u64;
 
-/* The state tuple the op builds (arnorm/op/_op.py, _accel_state), in this order. */
+/* The fields of arnorm.op._accel.AccelState (a tuple), in its order: tests/op/test_accel.py holds them equal. */
 enum {
-    ST_HIDDEN, ST_ROW_BYTES, ST_DTYPE, ST_ON_CPU, ST_INDEX, ST_MAX_TOKENS, ST_SCALED, ST_ADD_RESIDUAL,
+    ST_HIDDEN, ST_ROW_BYTES, ST_DTYPE, ST_ON_CPU, ST_DEVICE_INDEX, ST_MAX_TOKENS, ST_SCALED, ST_ADD_RESIDUAL,
     ST_TOKEN, ST_FAST_TABLE, ST_WEIGHTS, ST_SCALES, ST_OUT_SPANS, ST_GRAD_ENABLED, ST_LEN
 };
 
@@ -107,7 +107,7 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *state = args[0], *op = args[1], *x = args[2], *res = args[3], *w = args[4], *scale = args[5],
              *out = args[6];
-    if (!PyTuple_CheckExact(state) || PyTuple_GET_SIZE(state) != ST_LEN) {
+    if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != ST_LEN) {
         PyErr_SetString(PyExc_TypeError, "accept: state is not the op's state tuple");
         return NULL;
     }
@@ -117,7 +117,7 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     long long h = PyLong_AsLongLong(PyTuple_GET_ITEM(state, ST_HIDDEN));
     long long row_bytes = PyLong_AsLongLong(PyTuple_GET_ITEM(state, ST_ROW_BYTES));
     long long max_tokens = PyLong_AsLongLong(PyTuple_GET_ITEM(state, ST_MAX_TOKENS));
-    long index = PyLong_AsLong(PyTuple_GET_ITEM(state, ST_INDEX));
+    long index = PyLong_AsLong(PyTuple_GET_ITEM(state, ST_DEVICE_INDEX));
     if (PyErr_Occurred()) goto decline;
     PyObject *dtype = PyTuple_GET_ITEM(state, ST_DTYPE);
     int on_cpu = PyTuple_GET_ITEM(state, ST_ON_CPU) == Py_True;

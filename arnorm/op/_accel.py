@@ -26,14 +26,38 @@ import sysconfig
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Accelerator", "accelerator", "cache_dir"]
+__all__ = ["AccelState", "Accelerator", "accelerator", "cache_dir"]
 
 _SOURCE = Path(__file__).with_name("_accel.c")
 _MODULE = "_arnorm_accel"
 #: Seconds the compiler may take (a cold compile takes well under one).
 _BUILD_TIMEOUT = 60
+
+
+class AccelState(NamedTuple):
+    """The op's constants as the C helper reads them, by position: the order of these fields is
+    the order of ``_accel.c``'s ``ST_*`` enum (a test holds the two equal). The first six are also
+    the Python test's constants."""
+
+    hidden: int
+    row_bytes: int
+    dtype: Any
+    on_cpu: bool
+    device_index: int
+    max_tokens: int
+    scaled: bool
+    add_residual: bool
+    #: The call's token (one call at a time per op).
+    token: list[None]
+    fast_table: list[Any]
+    #: Trusted weights and scales: ``id(tensor) -> data pointer``.
+    weights: dict[int, int]
+    scales: dict[int, int]
+    #: Trusted ``out=`` objects: ``id(out) -> (T, ((tensor, start, end), ...))``.
+    out_spans: dict[int, Any]
+    grad_enabled: Callable[[], bool]
 
 
 class Accelerator:

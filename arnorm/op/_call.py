@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from arnorm.op._op import AllReduceNorm
 
-__all__ = ["call", "call_without_residual", "out_check", "trust_weight"]
+__all__ = ["call", "out_check", "trust_weight"]
 
 _TWO_THREADS = "op: called from two threads at once (needs one call at a time per op)"
 
@@ -82,8 +82,6 @@ def call(
         agree_call(
             self._comm, self._rules, self._seq, hidden_states, residual, weight, scale, out_check(self, out)
         )
-    if residual is None:
-        return self._call_without_residual(hidden_states, weight, scale, out)
     token = self._token
     try:
         token.pop()
@@ -91,37 +89,52 @@ def call(
         raise InvalidInputError(_TWO_THREADS) from None
     try:
         fast = None
-        sp = 0
+        sp = rp = rn = 0  # no residual: an empty range at 0, which no output or input overlaps
         h, row_bytes, dt, on_cpu, index, max_tokens = self._consts
         try:
             shape = hidden_states.shape
             t = shape[0]
-            hp, rp, wp = hidden_states.data_ptr(), residual.data_ptr(), weight.data_ptr()
-            if hidden_states.is_contiguous() and residual.is_contiguous():
-                hn = rn = t * row_bytes
-                ok = abs(hp - rp) >= hn
-                fast = self._fast_table[t]
-            elif self._strided:
-                hst, rst = hidden_states.stride(), residual.stride()
-                hn = ((t - 1) * hst[0] + h) * self._itemsize
-                rn = ((t - 1) * rst[0] + h) * self._itemsize
-                ok = (h == 1 or hst[1] == rst[1] == 1) and (t == 1 or (hst[0] >= h and rst[0] >= h))
-                ok = ok and (hp >= rp + rn or rp >= hp + hn)
+            hp, wp = hidden_states.data_ptr(), weight.data_ptr()
+            if residual is None:
+                if hidden_states.is_contiguous():
+                    hn = t * row_bytes
+                    ok = not self._add_residual
+                    fast = self._fast_table[t]
+                elif self._strided:
+                    hst = hidden_states.stride()
+                    hn = ((t - 1) * hst[0] + h) * self._itemsize
+                    ok = not self._add_residual and (h == 1 or hst[1] == 1) and (t == 1 or hst[0] >= h)
+                else:
+                    ok = False
+                if on_cpu:  # is_cpu and get_device() both exclude meta tensors, and are cheap
+                    ok = ok and hidden_states.is_cpu
+                else:
+                    ok = ok and hidden_states.get_device() == index
             else:
-                ok = False
-            if on_cpu:  # is_cpu and get_device() both exclude meta tensors, and are cheap
-                ok = ok and hidden_states.is_cpu and residual.is_cpu
-            else:
-                ok = ok and hidden_states.get_device() == index and residual.get_device() == index
+                rp = residual.data_ptr()
+                if hidden_states.is_contiguous() and residual.is_contiguous():
+                    hn = rn = t * row_bytes
+                    ok = abs(hp - rp) >= hn
+                    fast = self._fast_table[t]
+                elif self._strided:
+                    hst, rst = hidden_states.stride(), residual.stride()
+                    hn = ((t - 1) * hst[0] + h) * self._itemsize
+                    rn = ((t - 1) * rst[0] + h) * self._itemsize
+                    ok = (h == 1 or hst[1] == rst[1] == 1) and (t == 1 or (hst[0] >= h and rst[0] >= h))
+                    ok = ok and (hp >= rp + rn or rp >= hp + hn)
+                else:
+                    ok = False
+                if on_cpu:
+                    ok = ok and hidden_states.is_cpu and residual.is_cpu
+                else:
+                    ok = ok and hidden_states.get_device() == index and residual.get_device() == index
+                ok = ok and self._add_residual and residual.dtype is dt and residual.shape == shape
             ok = (
                 ok
-                and self._add_residual
                 and hidden_states.dtype is dt
-                and residual.dtype is dt
                 and len(shape) == 2
                 and shape[1] == h
                 and 0 < t <= max_tokens
-                and residual.shape == shape
                 and (
                     (weight is self._last_weight and wp == self._last_wptr)
                     or self._trusted_weights.get(id(weight)) == wp
@@ -141,7 +154,11 @@ def call(
             grad = (
                 ok
                 and self._grad_enabled()
-                and (hidden_states.requires_grad or residual.requires_grad or weight.requires_grad)
+                and (
+                    hidden_states.requires_grad
+                    or (residual is not None and residual.requires_grad)
+                    or weight.requires_grad
+                )
             )
             if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
                 ok = False
@@ -171,9 +188,7 @@ def call(
                 return guard(result, hidden_states, residual, weight) if grad else result
         if not ok:
             check_call(self._rules, hidden_states, residual, weight, scale)
-            grad = self._grad_enabled() and (
-                hidden_states.requires_grad or residual.requires_grad or weight.requires_grad
-            )
+            grad = self._grad_enabled() and _requires_grad(hidden_states, residual, weight)
             t = hidden_states.shape[0]
         impl = self._table[t]
         if impl is None:
@@ -189,101 +204,9 @@ def call(
         token.append(None)
 
 
-def call_without_residual(
-    self: AllReduceNorm, hidden_states: Any, weight: Any, scale: Any, out: Any
-) -> Output:
-    """:func:`call` for an op built with ``add_residual=False`` (``residual`` is ``None``)."""
-    # The rule of call's fast test with no residual to place or compare (the same property test
-    # covers both); the weight and scale parts are the same expressions.
-    token = self._token
-    try:
-        token.pop()
-    except IndexError:
-        raise InvalidInputError(_TWO_THREADS) from None
-    try:
-        fast = None
-        sp = 0
-        h, row_bytes, dt, on_cpu, index, max_tokens = self._consts
-        try:
-            shape = hidden_states.shape
-            t = shape[0]
-            hp, wp = hidden_states.data_ptr(), weight.data_ptr()
-            if hidden_states.is_contiguous():
-                hn = t * row_bytes
-                ok = not self._add_residual
-                fast = self._fast_table[t]
-            elif self._strided:
-                hst = hidden_states.stride()
-                hn = ((t - 1) * hst[0] + h) * self._itemsize
-                ok = not self._add_residual and (h == 1 or hst[1] == 1) and (t == 1 or hst[0] >= h)
-            else:
-                ok = False
-            if on_cpu:
-                ok = ok and hidden_states.is_cpu
-            else:
-                ok = ok and hidden_states.get_device() == index
-            ok = (
-                ok
-                and hidden_states.dtype is dt
-                and len(shape) == 2
-                and shape[1] == h
-                and 0 < t <= max_tokens
-                and (
-                    (weight is self._last_weight and wp == self._last_wptr)
-                    or self._trusted_weights.get(id(weight)) == wp
-                    or trust_weight(self, weight, wp)
-                )
-                and (wp >= hp + hn or hp >= wp + row_bytes)
-            )
-            if scale is not None:
-                sp = scale.data_ptr()
-                ok = (
-                    ok
-                    and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
-                    and (sp >= hp + hn or hp >= sp + 4)
-                )
-            elif self._scaled:
-                ok = False
-            grad = ok and self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
-            if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
-                ok = False
-        except (AttributeError, TypeError, IndexError, RuntimeError):
-            ok = grad = False
-        checked = out is None
-        if ok and not checked:  # as in call; no residual: its range is hidden_states' own
-            spans = self._out_spans.get(id(out))
-            if spans is not None and spans[0] == t:
-                he, we, se = hp + hn, wp + row_bytes, sp + 4 if scale is not None else 0
-                for d, a, b in spans[1]:
-                    if d.data_ptr() != a or (
-                        (a < he and hp < b) or (a < we and wp < b) or (a < se and sp < b)
-                    ):
-                        break
-                else:
-                    checked = True
-            if not checked:
-                self._out_trust.check(out, t, (hidden_states, None, weight, scale))
-                checked = True
-        if fast is not None and ok:
-            result = fast(t, hidden_states, None, weight, scale, out, hp, 0, wp, sp)
-            if result is not None:
-                return guard(result, hidden_states, None, weight) if grad else result
-        if not ok:
-            check_call(self._rules, hidden_states, None, weight, scale)
-            grad = self._grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
-            t = hidden_states.shape[0]
-        impl = self._table[t]
-        if impl is None:
-            raise self._closed_error() if self._closed else no_backend(t)
-        if out is None:
-            result = impl(hidden_states, None, weight, scale)
-        else:
-            if not checked:
-                self._out_trust.check(out, t, (hidden_states, None, weight, scale))
-            result = self._into_table[t](hidden_states, None, weight, scale, out)
-        return guard(result, hidden_states, None, weight) if grad else result
-    finally:
-        token.append(None)
+def _requires_grad(hidden_states: Any, residual: Any, weight: Any) -> bool:
+    residual_grad = residual is not None and residual.requires_grad
+    return bool(hidden_states.requires_grad or residual_grad or weight.requires_grad)
 
 
 def out_check(self: AllReduceNorm, out: Any) -> Any:

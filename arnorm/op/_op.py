@@ -12,8 +12,9 @@ from arnorm._config import Config, load_config
 from arnorm._errors import ArnormError, ArnormWarning, InvalidInputError
 from arnorm._problem import Problem
 from arnorm._types import Output, RMSNorm
+from arnorm.op._accel import AccelState, accelerator
 from arnorm.op._args import build_problem, resolve_device
-from arnorm.op._call import call, call_without_residual
+from arnorm.op._call import call
 from arnorm.op._caller_outputs import CopyInto, OutRules, OutTrust, empty_output
 from arnorm.op._check import CallRules, needs_scale
 from arnorm.op._comm import Comm
@@ -64,6 +65,27 @@ def _fast_path(name: str, impl: Any) -> Any:
         warnings.warn(msg, ArnormWarning, 3)
         return None
     return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """The constructor's arguments as the caller gave them: nothing here is checked yet
+    (``build_problem`` checks them, before any collective), so the types say what is expected."""
+
+    tp_group: Any
+    hidden_size: int
+    dtype: torch.dtype
+    norm: RMSNorm
+    quant: str | None
+    max_tokens: int
+    backend: str | Sequence[str] | None
+    normed_output: bool
+    inplace: bool
+    scale_layout: str | None
+    device: torch.device | str | None
+    cpu_group: Any
+    config: Config | None
+    add_residual: bool
 
 
 class AllReduceNorm:
@@ -140,15 +162,22 @@ class AllReduceNorm:
             )
             raise InvalidInputError(msg)
         try:
-            self._build(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output,
-                        inplace, scale_layout, device, cpu_group, config, add_residual)  # fmt: skip
+            request = _Request(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output,
+                               inplace, scale_layout, device, cpu_group, config, add_residual)  # fmt: skip
+            self._build(request)
         finally:
             _building.release()
 
-    def _build(self, tp_group: Any, hidden_size: Any, dtype: Any, norm: Any, quant: Any, max_tokens: Any,
-               backend: Any, normed_output: Any, inplace: Any, scale_layout: Any, device: Any, cpu_group: Any,
-               config: Any, add_residual: Any) -> None:  # fmt: skip
+    def _build(self, request: _Request) -> None:
         import torch
+
+        r = request
+        tp_group, hidden_size, dtype, norm, quant = r.tp_group, r.hidden_size, r.dtype, r.norm, r.quant
+        max_tokens, backend, normed_output, inplace = r.max_tokens, r.backend, r.normed_output, r.inplace
+        scale_layout, device, cpu_group = r.scale_layout, r.device, r.cpu_group
+        # Checked below; a bad value raises on every rank (agree) before select() reads it.
+        config: Any = r.config
+        add_residual = r.add_residual
 
         # Everything that may fail on one rank only travels in the first gather, so every rank
         # raises the same error instead of leaving the others waiting. The groups themselves must
@@ -243,16 +272,16 @@ class AllReduceNorm:
         self._grad_enabled = torch.is_grad_enabled
         # The C helper's copy of the test, where a backend has a fast path for it to call.
         self._accept: Any = None
-        # Its first six fields are also the Python call's constants (one tuple unpacked per call).
-        self._accel_state = (
-            self._hidden, self._row_bytes, self._dtype, self._on_cpu, self._index, self._max_tokens,
-            self._scaled, self._add_residual, self._token, self._fast_table, self._trusted_weights,
-            self._trusted_scales, self._out_spans, self._grad_enabled,
+        self._accel_state = AccelState(
+            hidden=self._hidden, row_bytes=self._row_bytes, dtype=self._dtype, on_cpu=self._on_cpu,
+            device_index=self._index, max_tokens=self._max_tokens, scaled=self._scaled,
+            add_residual=self._add_residual, token=self._token, fast_table=self._fast_table,
+            weights=self._trusted_weights, scales=self._trusted_scales, out_spans=self._out_spans,
+            grad_enabled=self._grad_enabled,
         )  # fmt: skip
-        self._consts = self._accel_state[:6]
+        # A plain tuple: unpacking it is the Python call's first step.
+        self._consts = tuple(self._accel_state[:6])
         if config.accelerate and not self._check_calls and any(f is not None for f in self._fast_table):
-            from arnorm.op._accel import accelerator
-
             self._accept = accelerator().accept
         self._handle = register_handle(self)
         self._closed = False
@@ -260,7 +289,6 @@ class AllReduceNorm:
     # -- calls (arnorm.op._call) -------------------------------------------------------------
 
     __call__ = call
-    _call_without_residual = call_without_residual
 
     def empty_output(self, num_tokens: int, scale: torch.Tensor | None = None) -> Output:
         """Uninitialized buffers for ``num_tokens`` tokens, to pass as ``out=`` (engines keeping buffers).

@@ -193,3 +193,17 @@ def test_a_second_thread_meeting_the_helpers_call_raises(fastpath):
             release.set()
             worker.join(10)
         assert results == ["done"] and op._token == [None]
+
+
+def test_the_c_helper_reads_the_state_fields_in_their_order():
+    """_accel.c reads AccelState by position: its ST_* enum names the fields in the same order."""
+    import re
+
+    from arnorm.op import _accel
+
+    source = _accel._SOURCE.read_text()
+    body = re.search(r"enum \{(.*?)\};", source, re.S)
+    assert body is not None
+    names = [n.strip() for n in body.group(1).replace("\n", " ").split(",") if n.strip()]
+    assert names[-1] == "ST_LEN"
+    assert [n.removeprefix("ST_").lower() for n in names[:-1]] == list(_accel.AccelState._fields)
