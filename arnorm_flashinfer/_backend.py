@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from arnorm.plugin import BackendSetupError, InvalidInputError
 from arnorm_flashinfer import _workspace
 from arnorm_flashinfer._api import FlashInferAPI, api_reasons, load
-from arnorm_flashinfer._outputs import OutputPlan
+from arnorm_flashinfer._outputs import CallPlan
 from arnorm_flashinfer._preflight import _join as _join_errors
 from arnorm_flashinfer._preflight import build_modules, decide, local_facts, mnnvl_blocker
 from arnorm_flashinfer._rules import DTYPE_BYTES, launcher_reasons
@@ -89,7 +89,7 @@ class FlashInferBackend:
         self._layout_code = api.layout_code(
             problem.scale_layout if problem.quant in ("nvfp4", "mxfp8") else None
         )
-        self._outputs = OutputPlan(problem)
+        self._outputs = CallPlan(problem)
         self._static_scale = problem.quant in _STATIC_SCALE
         self._eps = float(problem.eps)
         self._offset = float(problem.weight_offset)

@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
     from arnorm.plugin import Problem
 
-__all__ = ["OutputPlan"]
+__all__ = ["CallPlan"]
 
 
-class OutputPlan:
+class CallPlan:
     """Everything per call that depends only on the problem, resolved once at ``create``.
 
     Shapes and dtypes come from arnorm's format table (:data:`arnorm.plugin.FORMAT_SPECS`).

@@ -119,7 +119,7 @@ class TritonBackend:
         self._alloc = plan.alloc
         self._output = plan.output
         #: Whether the scales are the kernel's to write (not the caller's input scale).
-        self._own_scales = plan.kind in (2, 3, 4)
+        self._own_scales = plan.computes_scales
         self._launch = self._launcher.launch
         self.fast_launch = False
 

@@ -40,6 +40,7 @@ import struct
 import triton
 import triton.language as tl
 
+from arnorm.plugin import FORMAT_SPECS
 from arnorm_triton._casts import (
     E4M3_MAX,
     abs_max,
@@ -70,7 +71,9 @@ __all__ = [
 #: Swizzled scale padding rows zeroed per extra program.
 PAD_ROWS_PER_PROGRAM = tl.constexpr(32)
 #: Quant format -> the kernels' ``QUANT`` constexpr.
-QUANT_CODES: dict[str | None, int] = {None: 0, "fp8_static": 1, "fp8_per_token": 2, "nvfp4": 3, "mxfp8": 4}
+#: The kernels' QUANT constexpr: 0 without quantization, else 1 + the format's place in arnorm's
+#: format table (fp8_static 1, fp8_per_token 2, nvfp4 3, mxfp8 4; the kernels branch on these).
+QUANT_CODES: dict[str | None, int] = {None: 0, **{name: i + 1 for i, name in enumerate(FORMAT_SPECS)}}
 
 
 def row_shape(hidden: int, quant: str | None, itemsize: int) -> tuple[int, int, int]:

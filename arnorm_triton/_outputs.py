@@ -31,9 +31,10 @@ class OutputPlan:
         self.data_dtype: Any = None
         self.scale_dtype: Any = None
         self.data_cols = self.scale_cols = 0
-        #: 0 none, 1 fp8_static (the caller's scale), 2 per-token scales [T, 1], 3 block scales,
-        #: 4 block scales plus the caller's global encode scale (nvfp4).
-        self.kind = 0
+        #: The kernel reads the caller's fp32 [1] scale (fp8_static's dequant, nvfp4's global encode).
+        self.takes_scale = spec is not None and spec.takes_scale
+        #: The kernel writes scales of its own (per-token or block scales).
+        self.computes_scales = spec is not None and spec.scale_dtype is not None
         if spec is not None:
             self.data_dtype = getattr(torch, spec.data_dtype)
             self.data_cols = hidden // spec.elements_per_byte
@@ -44,12 +45,9 @@ class OutputPlan:
                 self.scale_cols = hidden // spec.block_size
                 if self.layout == "swizzled_128x4":
                     self.scale_cols = round_up(self.scale_cols, 4)
-            if spec.scale_dtype is None:
-                self.kind = 1
-            elif not spec.block_size:
-                self.kind, self.scale_cols = 2, 1
-            else:
-                self.kind = 4 if spec.takes_scale else 3
+            if spec.scale_dtype is not None and not spec.block_size:
+                self.scale_cols = 1  # one scale per row
+        self.spec = spec
         self.swizzled = self.layout == "swizzled_128x4"
 
         # The call path: per-variant closures over locals, built once (a call pays no attribute
@@ -63,19 +61,19 @@ class OutputPlan:
         0.3 us faster than a shape tuple (measured on CPU, torch 2.13)."""
         h, dt, dev, normed = self.hidden, self.dtype, self.device, self.normed
         cols, data_dt, scols, scale_dt = self.data_cols, self.data_dtype, self.scale_cols, self.scale_dtype
-        kind, swizzled = self.kind, self.swizzled
+        quantized, own_scales, swizzled = self.spec is not None, self.computes_scales, self.swizzled
 
-        if kind == 0 and normed:
+        if not quantized and normed:
             return lambda t: (empty(t, h, dtype=dt, device=dev), None, None)
-        if kind == 0:
+        if not quantized:
             return lambda t: (None, None, None)
-        if kind == 1 and not normed:
+        if not own_scales and not normed:
             return lambda t: (None, empty(t, cols, dtype=data_dt, device=dev), None)
 
         def alloc(t: int) -> tuple[Any, Any, Any]:
             y = empty(t, h, dtype=dt, device=dev) if normed else None
             q = empty(t, cols, dtype=data_dt, device=dev)
-            if kind == 1:
+            if not own_scales:
                 return y, q, None
             rows = -(-t // 128) * 128 if swizzled else t  # round_up(t, 128), inline
             return y, q, empty(rows, scols, dtype=scale_dt, device=dev)
@@ -88,7 +86,7 @@ class OutputPlan:
         Both result types are ``NamedTuple``s: when their fields are as this code expects,
         ``tuple.__new__`` builds exactly what their constructors build, without the generated
         ``__new__``'s Python frame (about 0.1 us per call, measured); otherwise the constructors."""
-        kind, fmt, layout = self.kind, self.quant, self.layout
+        spec, fmt, layout = self.spec, self.quant, self.layout
         direct = Output._fields == ("normed", "residual", "quant") and QuantizedActivation._fields == (
             "data",
             "scale",
@@ -99,32 +97,26 @@ class OutputPlan:
         if not direct:
             return self._output_by_constructors
         new = tuple.__new__
-        if kind == 0:
+        # One closure per scale rule of the format table, so a call branches on nothing.
+        if spec is None:
             return lambda y, h, q, sf, scale: new(Output, (y, h, None))
-        if kind == 1:
+        if spec.returns_input_scale:
             return lambda y, h, q, sf, scale: new(
-                Output, (y, h, new(QuantizedActivation, (q, scale, "fp8_static", None, None)))
+                Output, (y, h, new(QuantizedActivation, (q, scale, fmt, None, None)))
             )
-        if kind == 2:
+        if spec.keeps_global_scale:
             return lambda y, h, q, sf, scale: new(
-                Output, (y, h, new(QuantizedActivation, (q, sf, "fp8_per_token", None, None)))
+                Output, (y, h, new(QuantizedActivation, (q, sf, fmt, layout, scale)))
             )
-        if kind == 3:
-            return lambda y, h, q, sf, scale: new(
-                Output, (y, h, new(QuantizedActivation, (q, sf, fmt, layout, None)))
-            )
-        # nvfp4 keeps the caller's global encode scale
         return lambda y, h, q, sf, scale: new(
-            Output, (y, h, new(QuantizedActivation, (q, sf, fmt, layout, scale)))
+            Output, (y, h, new(QuantizedActivation, (q, sf, fmt, layout, None)))
         )
 
     def _output_by_constructors(self, y: Any, h: Any, q: Any, sf: Any, scale: Any) -> Output:
-        kind = self.kind
-        if kind == 0:
+        spec = self.spec
+        if spec is None:
             return Output(y, h, None)
-        if kind == 1:
-            return Output(y, h, QuantizedActivation(q, scale, "fp8_static"))
-        if kind == 2:
-            return Output(y, h, QuantizedActivation(q, sf, "fp8_per_token"))
-        gs = scale if kind == 4 else None  # nvfp4 keeps the caller's global encode scale
-        return Output(y, h, QuantizedActivation(q, sf, self.quant, self.layout, gs))  # type: ignore[arg-type]
+        if spec.returns_input_scale:
+            return Output(y, h, QuantizedActivation(q, scale, spec.name))
+        gs = scale if spec.keeps_global_scale else None
+        return Output(y, h, QuantizedActivation(q, sf, spec.name, self.layout, gs))

@@ -24,7 +24,9 @@ import torch
 from arnorm._errors import InvalidInputError
 from arnorm._formats import FORMAT_SPECS, FormatSpec, format_spec
 from arnorm._types import QuantizedActivation
-from arnorm.quant._checks import (
+from arnorm.quant._empty import empty_quantized
+from arnorm.quant._fp8 import dequantize_fp8, quantize_fp8_per_token, quantize_fp8_static
+from arnorm.quant._inputs import (
     BLOCK_SIZES,
     FORMATS,
     LAYOUTS,
@@ -33,8 +35,6 @@ from arnorm.quant._checks import (
     check_scale,
     default_layout,
 )
-from arnorm.quant._empty import empty_quantized
-from arnorm.quant._fp8 import dequantize_fp8, quantize_fp8_per_token, quantize_fp8_static
 from arnorm.quant._layout import swizzle_128x4, unswizzle_128x4
 from arnorm.quant._mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from arnorm.quant._nvfp4 import dequantize_nvfp4, quantize_nvfp4

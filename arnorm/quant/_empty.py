@@ -6,7 +6,7 @@ import torch
 
 from arnorm._formats import format_spec
 from arnorm._types import QuantizedActivation
-from arnorm.quant._checks import check_format, check_scale
+from arnorm.quant._inputs import check_format, check_scale
 
 __all__ = ["empty_quantized"]
 

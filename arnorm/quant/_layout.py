@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from arnorm._errors import InvalidInputError
-from arnorm.quant._checks import round_up
+from arnorm.quant._inputs import round_up
 
 __all__ = ["from_layout", "swizzle_128x4", "to_layout", "unswizzle_128x4"]
 

@@ -250,7 +250,7 @@ class TritonSymmBackend:
         t = x.shape[0]
         h_out = x.new_empty((t, self._hidden))
         y, q, sf = self._plan.alloc(t)
-        kscale = scale if self._plan.kind in (1, 4) else None
+        kscale = scale if self._plan.takes_scale else None
         tensors = (x, residual, weight, kscale, h_out, y, q, sf)
         return self._launcher.bind(tensors, t, (self._hidden,) * 3, two_shot=two_shot, push=push)
 
@@ -322,7 +322,7 @@ class TritonSymmBackend:
         y, q, sf = self._plan.alloc(t)
         # Only fp8_static and nvfp4 read the caller's scale; any other value would compile another
         # kernel variant (a different pointer type) in the middle of a step.
-        kscale = scale if self._plan.kind in (1, 4) else None
+        kscale = scale if self._plan.takes_scale else None
         self._launcher.launch(x, residual, weight, kscale, h_out, y, q, sf, t, xs, rs, hs, push=push,
                               two_shot=two_shot, copy_in=copy_in, end_wait=end_wait,
                               warmup=warmup)  # fmt: skip
