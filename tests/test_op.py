@@ -286,7 +286,9 @@ def test_fused_allreduce_norm_keeps_at_most_cache_size_ops_and_closes_the_oldest
 def test_fused_allreduce_norm_needs_a_group(clean_env):
     """group= is required: None is not silently WORLD."""
     x, r, w = inputs()
-    with pytest.raises(arnorm.InvalidInputError, match=r"tp_group: None \(needs"):
+    with pytest.raises(
+        arnorm.InvalidInputError, match=r"tp_group: None, and torch.distributed is not initialized"
+    ):
         arnorm.fused_allreduce_norm(x, r, w, group=None, eps=1e-6)
 
 
