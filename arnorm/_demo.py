@@ -128,7 +128,7 @@ def check_backend_names(text: str | None) -> None:
     """A ``--backend`` name that is not registered is a usage error here, before ranks are spawned."""
     if text is None:
         return
-    from arnorm._capabilities import join_or
+    from arnorm._capabilities import did_you_mean, join_or
     from arnorm._cli import UsageError
     from arnorm._config import parse_names
     from arnorm._discovery import get_registry
@@ -140,7 +140,8 @@ def check_backend_names(text: str | None) -> None:
         raise UsageError(f"--backend: {text!r} names no backend (needs {join_or(known)})")
     if unknown:
         what = "not a registered backend" if len(unknown) == 1 else "not registered backends"
-        raise UsageError(f"--backend: {', '.join(map(repr, unknown))} {what} (needs {join_or(known)})")
+        hints = "".join(did_you_mean(n, known) for n in unknown)
+        raise UsageError(f"--backend: {', '.join(map(repr, unknown))} {what} (needs {join_or(known)}{hints})")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm._args import build_problem, resolve_device
 from arnorm._call import Trust, no_backend, with_zero_residual
+from arnorm._capabilities import did_you_mean
 from arnorm._comm import Comm
 from arnorm._config import Config, load_config
 from arnorm._custom_op import register_handle, unregister_handle
@@ -39,7 +40,7 @@ def warn_unknown_names(pref: Preference, registry: Any, stacklevel: int = 5) -> 
     for source, names in (("ARNORM_DISABLE / Config.disable", pref.disabled), (pref.source, named)):
         for name in names:
             if name not in known:
-                valid = ", ".join(sorted(known))
+                valid = ", ".join(sorted(known)) + did_you_mean(name, known)
                 msg = f"{source}: {name!r} is not a registered backend (needs one of {valid})"
                 warnings.warn(msg, ArnormWarning, stacklevel=stacklevel)
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from arnorm._capabilities import check_capabilities, join_or
+from arnorm._capabilities import check_capabilities, did_you_mean, join_or
 from arnorm._config import Config, parse_names
 from arnorm._discovery import Registry, plugin_failure
 from arnorm._errors import (
@@ -95,7 +95,8 @@ def check_locally(
     for name in names:
         info = registry.get(name)
         if info is None:
-            reason = f"registry: no backend named {name!r} (needs one of {join_or(known)})"
+            valid = join_or(known) + did_you_mean(name, known)
+            reason = f"registry: no backend named {name!r} (needs one of {valid})"
             out[name] = Verdict(name, "unknown", (reason,))
             continue
         if info.spec is None or info.status != "available":
