@@ -64,3 +64,24 @@ def test_public_objects_say_arnorm_in_tracebacks():
         obj = getattr(arnorm, name)
         if isinstance(obj, type):
             assert obj.__module__ == "arnorm", name
+
+
+def test_writing_a_backend_documents_every_capabilities_field_and_its_default():
+    """docs/writing-a-backend.md's table has one row per Capabilities field, with its real default."""
+    import ast
+    import re
+
+    from pydantic_core import PydanticUndefined
+
+    from arnorm.plugin import Capabilities
+
+    text = (ROOT / "docs" / "writing-a-backend.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \| .* \|$", text, re.M))
+    fields = Capabilities.model_fields
+    assert set(fields) <= set(rows), sorted(set(fields) - set(rows))
+    for name, info in fields.items():
+        default = info.get_default(call_default_factory=True)
+        if default is PydanticUndefined:
+            assert rows[name] == "required", name
+        else:
+            assert ast.literal_eval(rows[name].strip("`")) == default, name
