@@ -20,9 +20,9 @@ imports no torch: ``quantize``, ``dequantize`` and ``empty_quantized`` load :mod
 (and torch) on first use.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
+# No ``from __future__ import annotations`` and no ``from typing import ...``: every name bound
+# here is the plugin API (``__all__``), and those would bind ``annotations``, ``Any``, ...
+import typing as _typing
 
 from arnorm._errors import (
     ArnormError,
@@ -41,7 +41,7 @@ from arnorm.op._comm import Comm
 from arnorm.registry._capabilities import Capabilities, check_capabilities, join_or
 from arnorm.registry._spec import BackendSpec, hookimpl
 
-if TYPE_CHECKING:  # loaded on first use by __getattr__ below
+if _typing.TYPE_CHECKING:  # loaded on first use by __getattr__ below
     from arnorm.quant import dequantize, empty_quantized, quantize
 
 __all__ = [
@@ -80,7 +80,7 @@ __all__ = [
 _FROM_QUANT = frozenset({"quantize", "dequantize", "empty_quantized"})
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     # The quantizers need torch: load them when a backend first asks, not at discovery.
     if name in _FROM_QUANT:
         import arnorm.quant

@@ -88,6 +88,19 @@ def test_python_snippet_runs(doc, line, code, tmp_path):
     assert done.returncode == 0, f"{doc}:{line} failed:\n{done.stdout}\n{done.stderr}"
 
 
+@pytest.mark.parametrize("doc", SCRIPTED)
+def test_snippets_that_build_an_op_close_it(doc):
+    """A reader copies the snippet into a loop: every op it builds is closed (or used in a with block)."""
+    text = (ROOT / doc).read_text()
+    unclosed = [
+        f"{doc}:{text.count(chr(10), 0, m.start('body')) + 1}"
+        for m in BLOCK.finditer(text)
+        if m["lang"] == "python" and re.search(r"^\w+ = arnorm\.AllReduceNorm\(", m["body"], re.M)
+        if not re.search(r"^\w+\.close\(\)", m["body"], re.M)
+    ]
+    assert unclosed == []
+
+
 def _write_plugin(root: Path) -> None:
     """The files of writing-a-backend.md, each written where its first comment line says."""
     doc = "docs/writing-a-backend.md"

@@ -42,12 +42,9 @@ def test_backends_import_only_the_public_plugin_surface(folder):
 
 
 def test_plugin_all_is_exactly_its_public_names():
-    """arnorm.plugin.__all__ lists every public name it offers, lazily loaded ones included."""
-    public = {
-        n
-        for n in vars(arnorm.plugin)
-        if not n.startswith("_") and n not in ("annotations", "Any", "TYPE_CHECKING")
-    }
+    """arnorm.plugin.__all__ lists every public name it offers, lazily loaded ones included, and
+    nothing else (no ``annotations``, ``Any`` or ``TYPE_CHECKING`` a plugin author could import)."""
+    public = {n for n in vars(arnorm.plugin) if not n.startswith("_")}
     lazy = {"quantize", "dequantize", "empty_quantized"}
     assert set(arnorm.plugin.__all__) == public | lazy
     for name in lazy:
@@ -67,3 +64,24 @@ def test_public_objects_say_arnorm_in_tracebacks():
         obj = getattr(arnorm, name)
         if isinstance(obj, type):
             assert obj.__module__ == "arnorm", name
+
+
+def test_writing_a_backend_documents_every_capabilities_field_and_its_default():
+    """docs/writing-a-backend.md's table has one row per Capabilities field, with its real default."""
+    import ast
+    import re
+
+    from pydantic_core import PydanticUndefined
+
+    from arnorm.plugin import Capabilities
+
+    text = (ROOT / "docs" / "writing-a-backend.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \| .* \|$", text, re.M))
+    fields = Capabilities.model_fields
+    assert set(fields) <= set(rows), sorted(set(fields) - set(rows))
+    for name, info in fields.items():
+        default = info.get_default(call_default_factory=True)
+        if default is PydanticUndefined:
+            assert rows[name] == "required", name
+        else:
+            assert ast.literal_eval(rows[name].strip("`")) == default, name

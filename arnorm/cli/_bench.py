@@ -316,6 +316,11 @@ def run(args: argparse.Namespace) -> int:
             "time every eligible backend)"
         )
     backends, rejected = select_backends(problem, names)
+    from arnorm._config import load_config
+    from arnorm.registry._select import Preference
+
+    # The "auto" column's op reads ARNORM_BACKEND like any op: the report says what chose.
+    choice = Preference.resolve(None, load_config()).source
     comm = "nccl" if cuda and (n_gpu >= world or torchrun) else "gloo"
     opts: dict[str, Any] = {
         "tp": world,
@@ -327,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup": args.warmup if args.warmup is not None else (20 if cuda else 3),
         "eager": bool(args.eager),
         "requested": names,
+        "choice": choice,
         "backends": backends,
         "cuda": cuda,
         "device": "cuda" if cuda else "cpu",

@@ -64,6 +64,13 @@ def combine(
     return {**meta, **extra, "results": rows}
 
 
+def chooser(report: dict[str, Any]) -> str:
+    """Who picked the marked backend per token count: ``"auto mode"``, or ``"ARNORM_BACKEND"``
+    when that variable named the backends (the marked op reads it as any op does)."""
+    choice = report.get("choice", "auto")
+    return "auto mode" if choice == "auto" else choice
+
+
 def _fmt(us: float) -> str:
     return f"{us:.0f}" if us >= 100 else f"{us:.1f}" if us >= 10 else f"{us:.2f}"
 
@@ -88,7 +95,9 @@ def render_table(report: dict[str, Any]) -> str:
         f"{_samples_text(report)}\n"
         f"latency per call in us: median and p10-p90 over samples, each the slowest rank's time"
     )
-    rows = [("tokens", "backend", "median us", "p10-p90 us", "vs baseline", "auto")]
+    by = chooser(report)
+    mark = "auto" if by == "auto mode" else by
+    rows = [("tokens", "backend", "median us", "p10-p90 us", "vs baseline", mark)]
     order = [BASELINE, *report["backends"]]
     for r in sorted(report["results"], key=lambda r: (r["tokens"], order.index(r["backend"]))):
         if r["samples_us"]:
@@ -96,7 +105,7 @@ def render_table(report: dict[str, Any]) -> str:
             speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         else:
             cells, speed = ("n/a", r["error"] or "-"), "-"
-        picked = "<- auto" if report["auto"].get(str(r["tokens"])) == r["backend"] else ""
+        picked = f"<- {mark}" if report["auto"].get(str(r["tokens"])) == r["backend"] else ""
         rows.append((str(r["tokens"]), r["backend"], *cells, speed, picked))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     right = (True, False, True, False, True, False)
@@ -113,8 +122,8 @@ def render_table(report: dict[str, Any]) -> str:
     )
     lines.append("")
     lines.extend(f"T={r['tokens']} {r['backend']}: {r['note']}" for r in report["results"] if r.get("note"))
-    lines.append(f"auto mode picks: {picks or 'nothing'}")
-    lines.extend(f"auto mode: {r}" for r in report["auto_error"])
+    lines.append(f"{by} picks: {picks or 'nothing'}")
+    lines.extend(f"{by}: {r}" for r in report["auto_error"])
     for name, why in report["rejected"].items():
         lines.append(f"not timed: {name} ({why['status']}): " + "; ".join(why["reasons"]))
     if report["device"] == "cpu":
@@ -161,7 +170,7 @@ def plot_figure(report: dict[str, Any]) -> Any:
             markerfacecolor="none",
             markeredgecolor="crimson",
             markeredgewidth=2,
-            label="auto mode's pick",
+            label=f"{chooser(report)}'s pick",
             gid="auto",
         )
     ax.set_xscale("log")

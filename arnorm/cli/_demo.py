@@ -131,7 +131,7 @@ def check_backend_names(text: str | None) -> None:
         return
     from arnorm._config import parse_names
     from arnorm.cli._usage import UsageError
-    from arnorm.registry._capabilities import join_or
+    from arnorm.registry._capabilities import did_you_mean, join_or
     from arnorm.registry._discovery import get_registry
 
     known = [i.name for i in get_registry().infos()]
@@ -141,7 +141,8 @@ def check_backend_names(text: str | None) -> None:
         raise UsageError(f"--backend: {text!r} names no backend (needs {join_or(known)})")
     if unknown:
         what = "not a registered backend" if len(unknown) == 1 else "not registered backends"
-        raise UsageError(f"--backend: {', '.join(map(repr, unknown))} {what} (needs {join_or(known)})")
+        hints = "".join(did_you_mean(n, known) for n in unknown)
+        raise UsageError(f"--backend: {', '.join(map(repr, unknown))} {what} (needs {join_or(known)}{hints})")
 
 
 def run(args: argparse.Namespace) -> int:

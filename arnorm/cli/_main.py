@@ -199,13 +199,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
     check_settings(args.backend)
     config = load_config()
     registry = get_registry()
-    expl = explain_locally(problem, registry, Preference.resolve(args.backend, config), config)
-    # Every installed backend's settings (ARNORM_<NAME>_<FIELD>), not only the chosen one's:
-    # explain is where a user looks for what can be set.
+    pref = Preference.resolve(args.backend, config)
+    expl = explain_locally(problem, registry, pref, config)
+    # In auto mode every installed backend's settings (ARNORM_<NAME>_<FIELD>), not only the chosen
+    # one's: explain is where a user looks for what can be set. A named backend: its settings only.
     settings = load_settings(registry, config)
     installed = {i.name for i in registry.infos() if i.status in ("available", "outdated")}
+    wanted = installed if pref.names is None else installed & set(pref.names)
     shown = tuple(
-        (n, tuple(s.model_dump().items())) for n, s in settings.items() if n in installed and s.model_dump()
+        (n, tuple(s.model_dump().items())) for n, s in settings.items() if n in wanted and s.model_dump()
     )
     print(dataclasses.replace(expl, settings=shown))
     print("statuses:")

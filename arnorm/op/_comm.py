@@ -26,6 +26,30 @@ _GROUP_NEEDS = (
 )
 
 
+def _none_group_message() -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        # torch.distributed.group.WORLD reads None until init_process_group: name the real cause.
+        return (
+            "tp_group: None, and torch.distributed is not initialized (torch.distributed.group.WORLD "
+            "is None until then) (needs torch.distributed.init_process_group() on every rank before "
+            "the op is built, or arnorm.LOCAL for a single process)"
+        )
+    return f"tp_group: None ({_GROUP_NEEDS})"
+
+
+def _not_a_group_message(tp_group: object) -> str:
+    kind = type(tp_group).__name__
+    if hasattr(tp_group, "device_group") and hasattr(tp_group, "cpu_group"):
+        # An engine's coordinator (vLLM's GroupCoordinator) wraps the two groups arnorm needs.
+        return (
+            f"tp_group: {kind}, a group coordinator, not a ProcessGroup (needs its two groups: "
+            "tp_group=<it>.device_group, cpu_group=<it>.cpu_group)"
+        )
+    return f"tp_group: {kind} {tp_group!r} ({_GROUP_NEEDS})"
+
+
 def _supports_cpu(group: Any) -> bool:
     import torch.distributed as dist
 
@@ -75,7 +99,7 @@ class Comm:
         if tp_group is LOCAL:
             return cls(None, device)
         if tp_group is None:
-            raise InvalidInputError(f"tp_group: None ({_GROUP_NEEDS})")
+            raise InvalidInputError(_none_group_message())
         if dist.is_available() and tp_group is dist.GroupMember.NON_GROUP_MEMBER:
             # What new_group() returns on ranks outside the group.
             raise InvalidInputError(
@@ -83,7 +107,7 @@ class Comm:
                 "(needs the TP group this rank belongs to)"
             )
         if not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
-            raise InvalidInputError(f"tp_group: {type(tp_group).__name__} {tp_group!r} ({_GROUP_NEEDS})")
+            raise InvalidInputError(_not_a_group_message(tp_group))
         if dist.get_rank(tp_group) < 0:
             raise InvalidInputError(
                 f"tp_group: does not include this process (global rank {dist.get_rank()}) "

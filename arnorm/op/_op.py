@@ -20,6 +20,7 @@ from arnorm.op._check import CallRules, needs_scale
 from arnorm.op._comm import Comm
 from arnorm.op._custom_op import register_handle, unregister_handle
 from arnorm.op._guards import Trust, no_backend, with_zero_residual
+from arnorm.registry._capabilities import did_you_mean
 from arnorm.registry._discovery import get_registry
 from arnorm.registry._explain import Explanation
 from arnorm.registry._failure import plugin_failure
@@ -41,7 +42,7 @@ def warn_unknown_names(pref: Preference, registry: Any, stacklevel: int = 5) -> 
     for source, names in (("ARNORM_DISABLE / Config.disable", pref.disabled), (pref.source, named)):
         for name in names:
             if name not in known:
-                valid = ", ".join(sorted(known))
+                valid = ", ".join(sorted(known)) + did_you_mean(name, known)
                 msg = f"{source}: {name!r} is not a registered backend (needs one of {valid})"
                 warnings.warn(msg, ArnormWarning, stacklevel=stacklevel)
 

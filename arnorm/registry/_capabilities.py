@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from arnorm import _formats
 from arnorm._problem import Problem
 
-__all__ = ["Capabilities", "check_capabilities", "join_or"]
+__all__ = ["Capabilities", "check_capabilities", "did_you_mean", "join_or"]
 
 Platform = Literal["cpu", "cuda", "rocm"]
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -124,6 +124,17 @@ def join_or(items: Iterable[object]) -> str:
     if len(names) <= 1:
         return "".join(names)
     return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'triton'?"`` when ``name`` is close to some of ``known`` (a misspelt
+    backend name), else ``""``: appended inside a reason's ``(needs ...)``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return f"; did you mean {' or '.join(map(repr, close))}?"
 
 
 def _arch(a: tuple[int, int]) -> str:

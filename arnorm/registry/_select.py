@@ -27,7 +27,7 @@ from arnorm._errors import (
 )
 from arnorm._problem import Problem
 from arnorm._settings import BackendSettings, backend_settings
-from arnorm.registry._capabilities import check_capabilities, join_or
+from arnorm.registry._capabilities import check_capabilities, did_you_mean, join_or
 from arnorm.registry._discovery import Registry
 from arnorm.registry._explain import Explanation, Verdict
 from arnorm.registry._failure import plugin_failure
@@ -96,7 +96,8 @@ def check_locally(
     for name in names:
         info = registry.get(name)
         if info is None:
-            reason = f"registry: no backend named {name!r} (needs one of {join_or(known)})"
+            valid = join_or(known) + did_you_mean(name, known)
+            reason = f"registry: no backend named {name!r} (needs one of {valid})"
             out[name] = Verdict(name, "unknown", (reason,))
             continue
         if info.spec is None or info.status != "available":

@@ -63,16 +63,18 @@ class Case:
 
     @property
     def id(self) -> str:
+        # Readable in a failure list: the words Problem.short() uses, not letter codes.
         q = self.quant or "none"
         if self.layout:
             q += f"/{self.layout}"
-        rbw = "-rbw" if self.round_before_weight else ""
-        nores = "" if self.add_residual else "-nores"
-        copy = "" if self.inplace else "-notinplace"
-        nonormed = "" if self.normed_output else "-nonormed"
+        norm = {0.0: "plain", 1.0: "gemma"}.get(self.weight_offset, f"offset={self.weight_offset:g}")
+        rbw = "-round-before-weight" if self.round_before_weight else ""
+        nores = "" if self.add_residual else "-no-residual"
+        copy = "" if self.inplace else "-not-inplace"
+        nonormed = "" if self.normed_output else "-no-normed-output"
         strided = "-strided" if self.strided else ""
         variant = f"{rbw}{nores}{copy}{nonormed}{strided}"
-        return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-b{self.weight_offset:g}{variant}"
+        return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-{norm}{variant}"
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,29 @@ def test_table_marks_auto_picks_and_says_when_one_was_not_timed(bench_run):
 
 
 @pytest.mark.slow
+def test_picks_are_labelled_by_what_chose_them(tmp_path, capsys):
+    """Under ARNORM_BACKEND the marked op is that variable's choice, not auto mode's: said so in the
+    JSON, the table (column, marker, summary line) and the plot's legend."""
+    js = tmp_path / "bench.json"
+    argv = ["bench", "--tp", "2", "--hidden", "64", "--tokens", "1", "--iters", "2", "--warmup", "1"]
+    argv += ["--device", "cpu", "--backends", "reference", "--json", str(js)]
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("ARNORM_")]:
+            mp.delenv(key)
+        mp.setenv("ARNORM_BACKEND", "reference")
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads(js.read_text())
+    assert report["choice"] == "ARNORM_BACKEND" and report["auto"] == {"1": "reference"}
+    assert re.search(r"^\| tokens \|.*\| ARNORM_BACKEND\s*\|$", out, re.M), out
+    assert re.search(r"^\|\s+1 \| reference\s+\|.*\| <- ARNORM_BACKEND \|$", out, re.M), out
+    assert "ARNORM_BACKEND picks: T=1: reference" in out.splitlines() and "auto mode" not in out
+    if HAS_PLOT:
+        legend = _bench_report.plot_figure(report).axes[0].get_legend().get_texts()
+        assert "ARNORM_BACKEND's pick" in [t.get_text() for t in legend]
+
+
+@pytest.mark.slow
 def test_cpu_table_says_it_is_a_smoke_test(bench_run):
     """A CPU run says under its table that its numbers say nothing about GPU backends."""
     _, out, _, _ = bench_run

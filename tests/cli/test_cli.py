@@ -434,6 +434,27 @@ def test_bench_output_path_is_checked_before_the_run(capsys, tmp_path):
     )
 
 
+def test_demo_misspelt_backend_says_did_you_mean(capsys, clean_env):
+    assert main(["demo", "--backend", "refrence", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("arnorm demo: error: --backend: 'refrence' not a registered backend (needs ")
+    assert err.endswith("; did you mean 'reference'?)\n"), err
+
+
+def test_explain_misspelt_backend_says_did_you_mean(capsys, clean_env):
+    code, out = run(capsys, "explain", "--device", "cpu", "--backend", "refrence")
+    assert code == 1 and "no backend named 'refrence'" in out and "did you mean 'reference'?)" in out
+
+
+def test_explain_with_a_named_backend_prints_only_its_settings(capsys, clean_env):
+    """--backend triton: triton's settings, not every installed backend's (auto mode shows all)."""
+    _, auto = run(capsys, "explain", "--device", "cpu", "--hidden", "64")
+    assert "settings of triton:" in auto and "settings of triton_symm:" in auto
+    _, named = run(capsys, "explain", "--device", "cpu", "--hidden", "64", "--backend", "triton")
+    shown = [line.split(":")[0] for line in named.splitlines() if line.startswith("settings of ")]
+    assert shown == ["settings of triton"], named
+
+
 def test_explain_warns_about_a_misspelt_disabled_name(capsys, clean_env):
     """ARNORM_DISABLE naming no registered backend is said by explain, as building an op says it."""
     clean_env.setenv("ARNORM_DISABLE", "tritn")

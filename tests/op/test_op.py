@@ -127,6 +127,39 @@ def test_strict_errors_name_the_backend_and_reasons(clean_env):
     assert info.value.explanation.verdict("nope").status == "unknown"
 
 
+@pytest.mark.parametrize("source", ["argument", "Config.backend", "ARNORM_BACKEND"])
+def test_a_misspelt_backend_name_says_did_you_mean(clean_env, source):
+    """'refrence' from any source: BackendNotInstalledError with the close registered name."""
+    kw: dict = {}
+    if source == "argument":
+        kw["backend"] = "refrence"
+    elif source == "Config.backend":
+        kw["config"] = arnorm.Config(backend="refrence")
+    else:
+        clean_env.setenv("ARNORM_BACKEND", "refrence")
+    with pytest.raises(arnorm.BackendNotInstalledError) as info:
+        make(**kw)
+    (reason,) = info.value.explanation.verdict("refrence").reasons
+    assert re.fullmatch(
+        r"registry: no backend named 'refrence' \(needs one of .*; did you mean 'reference'\?\)", reason
+    )
+    assert f"(from {source})" in str(info.value)
+
+
+def test_a_misspelt_disabled_name_warns_did_you_mean(clean_env):
+    clean_env.setenv("ARNORM_DISABLE", "refrence")
+    with pytest.warns(
+        arnorm.ArnormWarning, match=r"'refrence' is not a registered backend .*did you mean 'reference'\?\)$"
+    ):
+        make().close()
+
+
+def test_a_name_close_to_nothing_gets_no_guess(clean_env):
+    with pytest.raises(arnorm.BackendNotInstalledError) as info:
+        make(backend="zzzzzz")
+    assert "did you mean" not in str(info.value)
+
+
 def test_probe_that_raises_becomes_a_reason(clean_env, monkeypatch):
     """A probe raising an exception rejects its backend instead of breaking selection."""
     fake_backends.install(fake_backends.spec("fast", 50, "AllReduceBackend"))
@@ -286,7 +319,9 @@ def test_fused_allreduce_norm_keeps_at_most_cache_size_ops_and_closes_the_oldest
 def test_fused_allreduce_norm_needs_a_group(clean_env):
     """group= is required: None is not silently WORLD."""
     x, r, w = inputs()
-    with pytest.raises(arnorm.InvalidInputError, match=r"tp_group: None \(needs"):
+    with pytest.raises(
+        arnorm.InvalidInputError, match=r"tp_group: None, and torch.distributed is not initialized"
+    ):
         arnorm.fused_allreduce_norm(x, r, w, group=None, eps=1e-6)
 
 

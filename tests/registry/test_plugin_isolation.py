@@ -203,7 +203,7 @@ def test_a_foreign_plugin_loaded_first_still_cannot_take_a_builtin_name():
     ("kwargs", "message"),
     [
         ({"tp_group": "world"}, r"tp_group: str 'world' \(needs"),
-        ({"tp_group": None}, r"tp_group: None \(needs"),
+        ({"tp_group": None}, r"tp_group: None, and torch.distributed is not initialized"),
         ({"config": {"backend": "reference"}}, r"config: dict \(needs arnorm.Config"),
         ({"backend": 123}, r"backend: 123 \(needs a backend name"),
         ({"norm": arnorm.RMSNorm(1e-6), "eps_true": True}, r"eps: True \(needs a positive finite float"),
