@@ -23,7 +23,7 @@ enum {
 };
 
 static PyObject *s_shape, *s_data_ptr, *s_is_contiguous, *s_get_device, *s_dtype, *s_requires_grad,
-    *s_is_cpu, *s_last_weight, *s_last_wptr;
+    *s_is_cpu, *s_last_weight, *s_last_wptr, *s_is_neg;
 
 /* 1 true, 0 false, -1 error (raised). */
 static int is_true_method(PyObject *obj, PyObject *name) {
@@ -136,6 +136,8 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         (wp_o = data_ptr(w, &wp)) == NULL)
         goto decline;
     if (is_true_method(x, s_is_contiguous) != 1 || is_true_method(res, s_is_contiguous) != 1) goto decline;
+    /* A lazy negation (torch._neg_view, z.conj().imag) reads wrong through a pointer: Python rejects it. */
+    if (is_true_method(x, s_is_neg) != 0 || is_true_method(res, s_is_neg) != 0) goto decline;
     u64 hn = (u64)t * (u64)row_bytes;
     if ((hp > rp ? hp - rp : rp - hp) < hn) goto decline;
     if (on_device(x, on_cpu, index) != 1 || on_device(res, on_cpu, index) != 1) goto decline;
@@ -263,8 +265,9 @@ PyMODINIT_FUNC PyInit__arnorm_accel(void) {
     s_is_cpu = PyUnicode_InternFromString("is_cpu");
     s_last_weight = PyUnicode_InternFromString("_last_weight");
     s_last_wptr = PyUnicode_InternFromString("_last_wptr");
+    s_is_neg = PyUnicode_InternFromString("is_neg");
     if (!s_shape || !s_data_ptr || !s_is_contiguous || !s_get_device || !s_dtype || !s_requires_grad ||
-        !s_is_cpu || !s_last_weight || !s_last_wptr)
+        !s_is_cpu || !s_last_weight || !s_last_wptr || !s_is_neg)
         return NULL;
     return PyModule_Create(&accel_module);
 }

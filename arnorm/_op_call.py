@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm._call import agree_call, guard, no_backend
 from arnorm._custom_op import call_custom_op
-from arnorm._errors import InvalidInputError
-from arnorm._out import check_out_tensors, copy_into
+from arnorm._errors import BackendBrokenError, InvalidInputError
+from arnorm._out import check_out_tensors, copy_into, unwritten_destination
 from arnorm._types import Output
 from arnorm._validate import check_call
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from arnorm._op import AllReduceNorm
 
-__all__ = ["call", "call_without_residual", "out_check", "trust_weight"]
+__all__ = ["call", "call_without_residual", "out_check", "returned_out", "trust_weight"]
 
 _TWO_THREADS = "op: called from two threads at once (needs one call at a time per op)"
 
@@ -75,7 +75,7 @@ def call(
         result = accept(self._accel_state, self, hidden_states, residual, weight, scale, out)
         if result is not NotImplemented:
             if result is not None:
-                return result
+                return result if out is None else returned_out(self, result, out, hidden_states)
             declined = True
     if self._check_calls:
         self._seq += 1
@@ -122,6 +122,8 @@ def call(
                 and shape[1] == h
                 and 0 < t <= max_tokens
                 and residual.shape == shape
+                and not hidden_states.is_neg()  # a lazy negation: pointer-based backends ignore the bit
+                and not residual.is_neg()
                 and (
                     (weight is self._last_weight and wp == self._last_wptr)
                     or self._trusted_weights.get(id(weight)) == wp
@@ -168,6 +170,8 @@ def call(
         if fast is not None and ok and not declined:
             result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
             if result is not None:
+                if out is not None:
+                    result = returned_out(self, result, out, hidden_states)
                 return guard(result, hidden_states, residual, weight) if grad else result
         if not ok:
             check_call(self._rules, hidden_states, residual, weight, scale)
@@ -183,7 +187,9 @@ def call(
         else:
             if not checked:
                 self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
-            result = self._into_table[t](hidden_states, residual, weight, scale, out)
+            result = returned_out(
+                self, self._into_table[t](hidden_states, residual, weight, scale, out), out, hidden_states
+            )
         return guard(result, hidden_states, residual, weight) if grad else result
     finally:
         token.append(None)
@@ -228,6 +234,7 @@ def call_without_residual(
                 and len(shape) == 2
                 and shape[1] == h
                 and 0 < t <= max_tokens
+                and not hidden_states.is_neg()
                 and (
                     (weight is self._last_weight and wp == self._last_wptr)
                     or self._trusted_weights.get(id(weight)) == wp
@@ -267,6 +274,8 @@ def call_without_residual(
         if fast is not None and ok:
             result = fast(t, hidden_states, None, weight, scale, out, hp, 0, wp, sp)
             if result is not None:
+                if out is not None:
+                    result = returned_out(self, result, out, hidden_states)
                 return guard(result, hidden_states, None, weight) if grad else result
         if not ok:
             check_call(self._rules, hidden_states, None, weight, scale)
@@ -280,10 +289,40 @@ def call_without_residual(
         else:
             if not checked:
                 self._out_trust.check(out, t, (hidden_states, None, weight, scale))
-            result = self._into_table[t](hidden_states, None, weight, scale, out)
+            result = returned_out(
+                self, self._into_table[t](hidden_states, None, weight, scale, out), out, hidden_states
+            )
         return guard(result, hidden_states, None, weight) if grad else result
     finally:
         token.append(None)
+
+
+def returned_out(self: AllReduceNorm, result: Any, out: Output, hidden_states: Any) -> Output:
+    """``result``, when it hands back the caller's ``out`` tensors (identity: a few ``is`` tests);
+    else raise naming the backend: one declaring ``caller_outputs`` that ignored ``out`` has left
+    the caller's buffers unwritten, and the values an engine reads next would be stale."""
+    if (
+        type(result) is Output
+        and result.normed is out.normed
+        and (self._inplace or result.residual is out.residual)
+    ):
+        q = out.quant
+        if q is None or (
+            result.quant is not None and result.quant.data is q.data and result.quant.scale is q.scale
+        ):
+            return result
+    where = unwritten_destination(result, out, self._out_rules)
+    if not where:
+        return result
+    impl = self._table[hidden_states.shape[0]]
+    names = [n for n, c in zip(self._explanation.chain, self._chain, strict=True) if c is impl]
+    name = names[0] if names else self.backend
+    msg = (
+        f"backend {name!r}: {where}: not the caller's tensor, its buffer left unwritten (needs a backend "
+        "that writes into out= and returns its tensors, as Capabilities(caller_outputs=True) promises; "
+        "fix or report the plugin, or call without out=)"
+    )
+    raise BackendBrokenError(msg, self._explanation)
 
 
 def out_check(self: AllReduceNorm, out: Any) -> Any:

@@ -137,6 +137,11 @@ class TestUndeclaredWorld(ConformanceSuite):
     world_sizes = (1, 2)
 
 
+class TestIgnoresOut(ConformanceSuite):
+    backend = "pl_ignores_out"
+    world_sizes = (1,)
+
+
 class TestUndeclaredWorldRequired(ConformanceSuite):
     backend = "pl_only_four_ranks"
     world_sizes = (1, 2)
@@ -347,3 +352,13 @@ def test_undeclared_world_sizes_skip_and_fail_with_require(report):
     key = "TestUndeclaredWorldRequired.test_bad_inputs_raise_everywhere_and_leave_op_usable"
     assert report[key][0] == "failed", report[key]
     assert report["TestUndeclaredWorldRequired.test_declares_and_loads"][0] == "passed"
+
+
+def test_a_backend_declaring_caller_outputs_that_ignores_out_fails(report):
+    """Every backend is called with out= once; one that declares caller_outputs and returns new
+    tensors fails that case, naming the buffer (the core's check raises in the call), and only it."""
+    outcome, message = report["TestIgnoresOut.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    assert "-notinplace-out: the call raised" in message and "out.normed" in message, message
+    assert "pl_ignores_out" in message, message
+    assert {c.rsplit("-", 1)[1] for c in _failed_cases(message)} == {"out"}, message

@@ -1,0 +1,51 @@
+"""Backends that break a promise at the op boundary, for tests/faults/test_faults_plugins.py.
+
+They declare ``Capabilities(caller_outputs=True)`` (the core hands them the caller's ``out=``) and
+then ignore ``out``: one in ``__call__``, one in its fast path. Their results are right; only the
+caller's buffers are left unwritten.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from arnorm.plugin import BackendSpec, Capabilities
+
+import fake_backends
+
+WRITES_OUT = Capabilities(platforms=frozenset({"cpu", "cuda"}), caller_outputs=True)
+
+
+class IgnoresOut(fake_backends.AllReduceBackend):
+    """Takes ``out`` and returns new tensors instead."""
+
+    name: ClassVar[str] = "ignores_out"
+
+    def __call__(self, hidden_states, residual, weight, scale, out=None):
+        return super().__call__(hidden_states, residual, weight, scale)
+
+
+class FastIgnoresOut(IgnoresOut):
+    """Its ``__call__`` honours ``out``; its fast path does not."""
+
+    name: ClassVar[str] = "fast_ignores_out"
+
+    def __call__(self, hidden_states, residual, weight, scale, out=None):
+        got = fake_backends.AllReduceBackend.__call__(self, hidden_states, residual, weight, scale)
+        if out is None:
+            return got
+        from arnorm._out import copy_into
+
+        return copy_into(got, out, self.problem.inplace)
+
+    def fast_path(self):
+        def fast(t, x, res, w, scale, out, xp, rp, wp, sp):
+            return fake_backends.AllReduceBackend.__call__(self, x, res, w, scale)
+
+        return fast
+
+
+def spec(cls: type) -> BackendSpec:
+    return BackendSpec(
+        name=cls.name, priority=70, capabilities=WRITES_OUT, loader=f"{__name__}:{cls.__name__}"
+    )
