@@ -40,8 +40,8 @@ class FusedAllReduceNorm(Protocol):
        must be cheap and depend on the count alone; never called per step.
     4. ``__call__(hidden_states, residual, weight, scale)``: one fused step; ``hidden_states`` is
        this rank's partial sum ``[T, H]``. Inputs arrive validated, without the negative or
-       conjugate bit (and contiguous unless the
-       capabilities declare ``strided_rows``). ``residual`` is ``None`` for an op built with
+       conjugate bit (and contiguous unless the capabilities declare ``strided_rows``).
+       ``residual`` is ``None`` for an op built with
        ``add_residual=False`` when the capabilities declare ``residual_free`` (undeclared, such
        an op hands the backend ``-0.0`` rows instead). Returns an :class:`arnorm.Output`. No host
        synchronization, no allocation beyond outputs.
