@@ -295,7 +295,17 @@ class CopyInto:
         self._inplace = inplace
 
     def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any, out: Output) -> Output:
-        return copy_into(self.impl(hidden_states, residual, weight, scale), out, self._inplace)
+        got = self.impl(hidden_states, residual, weight, scale)
+        if not isinstance(got, Output):  # else an AttributeError from inside arnorm's copy
+            from arnorm._errors import BackendBrokenError
+
+            name = getattr(self.impl, "name", type(self.impl).__name__)
+            msg = (
+                f"backend {name!r}: its call returned {type(got).__name__} "
+                "(needs an arnorm.plugin.Output(normed, residual, quant))"
+            )
+            raise BackendBrokenError(msg)
+        return copy_into(got, out, self._inplace)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.impl, name)
