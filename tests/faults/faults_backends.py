@@ -49,3 +49,26 @@ def spec(cls: type) -> BackendSpec:
     return BackendSpec(
         name=cls.name, priority=70, capabilities=WRITES_OUT, loader=f"{__name__}:{cls.__name__}"
     )
+
+
+def build_with_import_hanging_on_rank_one(rank: int, world: int) -> tuple:
+    """Rank side: auto mode with a backend whose module import never returns on rank 1."""
+    import torch
+
+    import arnorm
+
+    fake_backends.install(
+        BackendSpec(
+            name="hangs_on_one",
+            priority=70,
+            capabilities=fake_backends.CPU_ANY,
+            loader="faults_hangs_on_rank_one:Backend",
+        )
+    )
+    group = torch.distributed.group.WORLD
+    args = dict(hidden_size=8, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6))
+    with arnorm.AllReduceNorm(group, config=arnorm.Config(probe_timeout=2), **args) as op:
+        v = op.explain().verdict("hangs_on_one")
+        x = torch.full((2, 8), float(rank + 1))
+        got = op(x, torch.zeros(2, 8), torch.ones(8))
+        return op.backend, v.status, v.reasons, got.residual[0, 0].item()

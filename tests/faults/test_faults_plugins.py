@@ -28,14 +28,14 @@ H = 64
 HANGING_MODULE = "import time\n\ntime.sleep(3600)\n"
 
 
-def _run(tmp_path: Path, code: str, *args: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
-    """Run ``code`` (or ``python -m arnorm <args>`` when code is empty) with ``tmp_path`` and tests/
-    on the path; ``(the RESULT json it printed, its whole output)``. A hang past 120 s fails."""
+def _run(tmp_path: Path, code: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
+    """Run ``code`` with ``tmp_path`` and tests/ on the path; ``(the RESULT json it printed, its
+    whole output)``. A hang past 120 s, in the code or at interpreter exit, fails."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ARNORM_")}
     environ.update(env or {})
     paths = (str(tmp_path), str(TESTS), environ.get("PYTHONPATH", ""))
     environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "arnorm", *args]
+    cmd = [sys.executable, "-c", code]
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -98,8 +98,9 @@ def _hanging_entry_point(tmp_path: Path) -> None:
 
 
 USE_WITH_HANGING_ENTRY_POINT = textwrap.dedent("""
-    import json, time, warnings
+    import contextlib, io, json, time, warnings
     import torch, arnorm
+    from arnorm._cli import main
     warnings.simplefilter("ignore")
     start = time.monotonic()
     infos = {i.name: [i.status, i.reason] for i in arnorm.backends()}
@@ -107,6 +108,11 @@ USE_WITH_HANGING_ENTRY_POINT = textwrap.dedent("""
     with arnorm.AllReduceNorm(arnorm.LOCAL, hidden_size=8, dtype=torch.float32,
                               norm=arnorm.RMSNorm(1e-6), backend="reference") as op:
         out["built"] = op.backend
+    for command in (["backends"], ["explain", "--tp", "1", "--hidden", "256"]):
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            status = main(command)
+        out[command[0]] = [status, text.getvalue()]
     print("RESULT " + json.dumps(out), flush=True)
 """)
 
@@ -114,17 +120,16 @@ USE_WITH_HANGING_ENTRY_POINT = textwrap.dedent("""
 def test_entry_point_whose_import_never_returns_is_listed_as_timed_out(tmp_path):
     """An installed entry point whose module import never returns: arnorm.backends(), construction
     with backend="reference", and the CLI's `backends` and `explain` finish, listing the plugin as
-    broken with "import: no answer in 2 s" (ARNORM_PROBE_TIMEOUT=2)."""
+    broken with "import: no answer in 2 s" (ARNORM_PROBE_TIMEOUT=2); the process exits."""
     _hanging_entry_point(tmp_path)
-    env = {"ARNORM_PROBE_TIMEOUT": "2"}
-    out, text = _run(tmp_path, USE_WITH_HANGING_ENTRY_POINT, env=env)
+    out, _ = _run(tmp_path, USE_WITH_HANGING_ENTRY_POINT, env={"ARNORM_PROBE_TIMEOUT": "2"})
     status, reason = out["hanging"]
-    assert status == "broken" and "import: no answer in 2 s" in reason, out
+    assert status == "broken" and "import: no answer in 2 s, still running" in reason, out
     assert out["built"] == "reference" and out["discovery_s"] < 30, out
-    _, text = _run(tmp_path, "", "backends", env=env)
-    assert "hanging" in text and "no answer in 2 s" in text, text
-    _, text = _run(tmp_path, "", "explain", "--tp", "1", "--hidden", "256", env=env)
-    assert "reference" in text and "no answer in 2 s" in text, text
+    for command in ("backends", "explain"):
+        code, printed = out[command]
+        assert code == 0 and "hanging" in printed and "no answer in 2 s" in printed, out
+    assert "reference" in out["explain"][1], out
 
 
 # -- caller_outputs: the caller's tensors come back ------------------------------------------------
@@ -280,3 +285,17 @@ def test_max_tokens_beyond_what_arnorm_can_table_is_rejected_up_front(clean_env)
             arnorm.LOCAL, hidden_size=H, dtype=torch.bfloat16, norm=arnorm.RMSNorm(1e-6), max_tokens=2**31
         )
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.slow
+def test_backend_module_hanging_on_one_rank_is_rejected_on_every_rank():
+    """On 2 gloo ranks, the backend's module import never returns on rank 1: both ranks reject it
+    with rank 1's reason, pick the same next backend, compute the right sum, and exit."""
+    import faults_backends
+
+    from arnorm.testing import run_ranks
+
+    per_rank = run_ranks(2, faults_backends.build_with_import_hanging_on_rank_one, timeout=90)
+    for backend, status, reasons, value in per_rank:
+        assert (backend, status, value) == ("reference", "broken", 3.0), per_rank
+        assert any(r.startswith("rank 1: import: no answer in 2 s") for r in reasons), per_rank
