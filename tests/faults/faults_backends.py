@@ -66,7 +66,7 @@ def build_with_import_hanging_on_rank_one(rank: int, world: int) -> tuple:
         )
     )
     group = torch.distributed.group.WORLD
-    args = dict(hidden_size=8, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6))
+    args = dict(hidden_size=8, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), device="cpu")
     with arnorm.AllReduceNorm(group, config=arnorm.Config(probe_timeout=2), **args) as op:
         v = op.explain().verdict("hangs_on_one")
         x = torch.full((2, 8), float(rank + 1))
