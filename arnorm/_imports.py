@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,9 @@ def _run(module: str, outcome: list[tuple[str, Any]]) -> None:
 def import_bounded(module: str, timeout: float) -> tuple[str, Any]:
     """Import ``module`` waiting at most ``timeout`` seconds: ``("ok", module)``, ``("raised",
     exception)`` or ``("timeout", None)`` (the import goes on, on its thread; see the module docstring)."""
+    done = sys.modules.get(module)
+    if done is not None and not getattr(getattr(done, "__spec__", None), "_initializing", False):
+        return "ok", done  # imported already (every op built after the first): no thread
     with _lock:
         entry = _running.get(module)
         if entry is None:
