@@ -12,6 +12,7 @@ from pydantic import BeforeValidator, Field, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from arnorm._settings import PREFIX, config_error, read_environment
+from arnorm.registry._imports import DEFAULT_TIMEOUT, MAX_TIMEOUT
 
 __all__ = ["Config", "load_config", "parse_names"]
 
@@ -58,7 +59,8 @@ class Config(BaseSettings):
     ``disable``        ``ARNORM_DISABLE``         names auto mode must not pick (none)
     ``check_calls``    ``ARNORM_CHECK_CALLS``     compare every call's fingerprint across ranks
                                                   before its collective; slow, for debugging (off)
-    ``probe_timeout``  ``ARNORM_PROBE_TIMEOUT``   seconds a backend's probe may take (15)
+    ``probe_timeout``  ``ARNORM_PROBE_TIMEOUT``   seconds a plugin's import, and a backend's
+                                                  probe, may each take (15; at most 86400)
     ``accelerate``     ``ARNORM_ACCELERATE``      test valid calls in arnorm's C helper, built
                                                   once with Python's C compiler (on)
     ``settings``       (code only)                per-backend settings overrides,
@@ -78,11 +80,14 @@ class Config(BaseSettings):
         "raise the same error on every rank when they differ (one small collective per call).",
     )
     probe_timeout: float = Field(
-        default=15.0,
+        default=DEFAULT_TIMEOUT,
         gt=0,
+        # A wait the threading module can take (1e10 s overflows Thread.join), told up front.
+        le=MAX_TIMEOUT,
         allow_inf_nan=False,
-        description="Seconds a backend's probe may take before it is rejected "
-        "(FlashInfer's import alone took 5 s on an H200; JIT builds belong in create()).",
+        description="Seconds a backend's module import, and then its probe, may each take before the "
+        "backend is rejected (FlashInfer's import alone took 5 s on an H200; JIT builds belong in "
+        "create()); at most 86400.",
     )
     accelerate: bool = Field(
         default=True,

@@ -28,6 +28,8 @@ class FusedAllReduceNorm(Protocol):
        cannot say (dependency versions, topology, device features). Returns rejection reasons in
        the grammar ``"<aspect>: <found> (needs <required>)"``; empty means eligible on this rank.
        It runs on a helper thread with the op's device current; results are cached per process.
+       The backend's module is imported first, on a helper thread bounded the same way: a module
+       whose import never returns makes the backend *broken*, and is never imported again.
     2. ``create(problem, comm, settings)`` (classmethod, collective over ``comm``): builds
        workspaces and compiles kernels; ``settings`` is the backend's own
        :class:`arnorm.plugin.BackendSettings` (an empty one when the descriptor declares none).
@@ -37,8 +39,9 @@ class FusedAllReduceNorm(Protocol):
        every count from 1 to ``max_tokens`` right after ``create`` and agreed across ranks, so it
        must be cheap and depend on the count alone; never called per step.
     4. ``__call__(hidden_states, residual, weight, scale)``: one fused step; ``hidden_states`` is
-       this rank's partial sum ``[T, H]``. Inputs arrive validated (and contiguous unless the
-       capabilities declare ``strided_rows``). ``residual`` is ``None`` for an op built with
+       this rank's partial sum ``[T, H]``. Inputs arrive validated, without the negative or
+       conjugate bit (and contiguous unless the capabilities declare ``strided_rows``).
+       ``residual`` is ``None`` for an op built with
        ``add_residual=False`` when the capabilities declare ``residual_free`` (undeclared, such
        an op hands the backend ``-0.0`` rows instead). Returns an :class:`arnorm.Output`. No host
        synchronization, no allocation beyond outputs.

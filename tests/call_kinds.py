@@ -14,7 +14,7 @@ import torch
 KINDS = ["ok", "view_alias", "overlap", "disjoint", "dtype", "res_dtype", "w_dtype", "shape", "res_shape",
          "res_3d", "w_shape", "strided", "transposed", "too_many", "zero_rows", "meta", "w_in_x",
          "new_weight", "no_scale", "extra_scale", "scale_in_x", "new_scale", "leaf_grad", "not_tensor",
-         "w_none", "res_none"]  # fmt: skip
+         "w_none", "res_none", "x_neg", "res_neg", "w_neg", "scale_neg"]  # fmt: skip
 
 
 def variant(kind: str, x: Any, r: Any, w: Any, s: Any) -> tuple[Any, Any, Any, Any]:
@@ -47,5 +47,10 @@ def variant(kind: str, x: Any, r: Any, w: Any, s: Any) -> tuple[Any, Any, Any, A
         "not_tensor": lambda: (x.tolist(), r, w, s),
         "w_none": lambda: (x, r, None, s),
         "res_none": lambda: (x, None, w, s),
+        # Lazy negations (torch._neg_view; z.conj().imag is another): the memory is not the value.
+        "x_neg": lambda: (torch._neg_view(x.clone()), r, w, s),
+        "res_neg": lambda: (x, torch._neg_view(r), w, s),
+        "w_neg": lambda: (x, r, torch._neg_view(w), s),
+        "scale_neg": lambda: (x, r, w, torch._neg_view(torch.ones(1)) if s is None else torch._neg_view(s)),
     }
     return table[kind]()

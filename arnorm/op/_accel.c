@@ -6,7 +6,9 @@
  * Anything else (a test that fails, an input it cannot read, a weight, scale or out not trusted yet,
  * grad mode with an input requiring grad, strided rows, no fast path) returns NotImplemented, and
  * the Python call runs as if this did not exist: it checks again, raises the error, or trusts the
- * new weight. None: the fast path declined the call (the Python call then skips it). So this
+ * new weight. None: the fast path declined the call (the Python call then skips it). With out=, a
+ * result that does not hand back out's tensors (by identity) comes back wrapped in a 1-tuple, for
+ * the Python call to check in full and raise naming the backend. So this
  * accepts a subset of what the Python test accepts and never raises for bad input; tests hold the
  * two equal on every input they draw. Why C: the Python test is about 25
  * calls into torch, and the interpreter's own work between them cost as much as the calls.
@@ -23,7 +25,7 @@ enum {
 };
 
 static PyObject *s_shape, *s_data_ptr, *s_is_contiguous, *s_get_device, *s_dtype, *s_requires_grad,
-    *s_is_cpu, *s_last_weight, *s_last_wptr;
+    *s_is_cpu, *s_last_weight, *s_last_wptr, *s_is_neg;
 
 /* 1 true, 0 false, -1 error (raised). */
 static int is_true_method(PyObject *obj, PyObject *name) {
@@ -96,6 +98,26 @@ static int shape2(PyObject *shape, long long *rows, long long *cols) {
     return 1;
 }
 
+/* The fast path's result r holds the caller's out o (Output namedtuples: normed, residual, quant):
+ * the same normed, the same residual where out has one (an in-place op ignores it), the same quant
+ * data and scale, or the call's scale for fp8_static (no global_scale field set). 1, or 0 for the
+ * Python call's full check. */
+static int holds_out(PyObject *r, PyObject *o, PyObject *scale) {
+    if (Py_TYPE(r) != Py_TYPE(o) || !PyTuple_Check(o) || PyTuple_GET_SIZE(r) != 3 || PyTuple_GET_SIZE(o) != 3)
+        return 0;
+    if (PyTuple_GET_ITEM(r, 0) != PyTuple_GET_ITEM(o, 0)) return 0;
+    PyObject *ores = PyTuple_GET_ITEM(o, 1);
+    if (ores != Py_None && PyTuple_GET_ITEM(r, 1) != ores) return 0;
+    PyObject *rq = PyTuple_GET_ITEM(r, 2), *oq = PyTuple_GET_ITEM(o, 2);
+    if (rq == oq) return 1;
+    if (oq == Py_None || Py_TYPE(rq) != Py_TYPE(oq) || !PyTuple_Check(oq) || PyTuple_GET_SIZE(rq) != 5 ||
+        PyTuple_GET_SIZE(oq) != 5 || PyTuple_GET_ITEM(rq, 0) != PyTuple_GET_ITEM(oq, 0))
+        return 0;
+    PyObject *rs = PyTuple_GET_ITEM(rq, 1);
+    if (rs == PyTuple_GET_ITEM(oq, 1)) return 1;
+    return scale != Py_None && rs == scale && PyTuple_GET_ITEM(rq, 4) == Py_None;
+}
+
 /* [a, b) and [c, d) share no byte. */
 static int apart(u64 a, u64 b, u64 c, u64 d) { return a >= d || c >= b; }
 
@@ -136,6 +158,8 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         (wp_o = data_ptr(w, &wp)) == NULL)
         goto decline;
     if (is_true_method(x, s_is_contiguous) != 1 || is_true_method(res, s_is_contiguous) != 1) goto decline;
+    /* A lazy negation (torch._neg_view, z.conj().imag) reads wrong through a pointer: Python rejects it. */
+    if (is_true_method(x, s_is_neg) != 0 || is_true_method(res, s_is_neg) != 0) goto decline;
     u64 hn = (u64)t * (u64)row_bytes;
     if ((hp > rp ? hp - rp : rp - hp) < hn) goto decline;
     if (on_device(x, on_cpu, index) != 1 || on_device(res, on_cpu, index) != 1) goto decline;
@@ -217,6 +241,13 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (appended < 0 && result != NULL) Py_CLEAR(result); /* out of memory: report it */
     }
     if (called && result == NULL) goto done; /* the backend raised: the caller sees its error */
+    if (result != NULL && result != Py_None && out != Py_None && !holds_out(result, out, scale)) {
+        /* The backend ran (no declining now): the Python call checks this result in full. */
+        PyObject *wrapped = PyTuple_Pack(1, result);
+        Py_DECREF(result);
+        result = wrapped; /* NULL: out of memory, reported */
+        goto done;
+    }
     if (result != NULL) goto done; /* None when the backend declined: __call__ serves the call */
 decline:
     /* A check that raised is a declined call (the Python call decides and raises what it must),
@@ -263,8 +294,9 @@ PyMODINIT_FUNC PyInit__arnorm_accel(void) {
     s_is_cpu = PyUnicode_InternFromString("is_cpu");
     s_last_weight = PyUnicode_InternFromString("_last_weight");
     s_last_wptr = PyUnicode_InternFromString("_last_wptr");
+    s_is_neg = PyUnicode_InternFromString("is_neg");
     if (!s_shape || !s_data_ptr || !s_is_contiguous || !s_get_device || !s_dtype || !s_requires_grad ||
-        !s_is_cpu || !s_last_weight || !s_last_wptr)
+        !s_is_cpu || !s_last_weight || !s_last_wptr || !s_is_neg)
         return NULL;
     return PyModule_Create(&accel_module);
 }

@@ -11,7 +11,12 @@ from arnorm._types import RMSNorm
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["build_problem", "platform_of", "resolve_device"]
+__all__ = ["MAX_TOKENS", "build_problem", "platform_of", "resolve_device"]
+
+#: The largest ``max_tokens``: construction asks each backend about every token count up to it and
+#: keeps a dispatch entry per count, so its time and memory grow with it (2**31 would need tens of
+#: GB before failing; a million counts take about a second).
+MAX_TOKENS = 1 << 20
 
 
 def platform_of(device: torch.device) -> tuple[str, tuple[int, int] | None, str | None]:
@@ -86,6 +91,11 @@ def build_problem(
             f"norm: {type(norm).__name__} (needs arnorm.RMSNorm(eps=..., weight_offset=...))"
         )
     tokens = _positive_int("max_tokens", max_tokens)
+    if tokens > MAX_TOKENS:
+        raise InvalidInputError(
+            f"max_tokens: {tokens} (needs an int from 1 to {MAX_TOKENS}: construction asks each backend "
+            "about every token count up to it; split larger batches into calls of at most that many)"
+        )
     for arg, value in (
         ("normed_output", normed_output),
         ("inplace", inplace),

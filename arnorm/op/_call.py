@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from arnorm._errors import InvalidInputError
+from arnorm._errors import BackendBrokenError, InvalidInputError
 from arnorm._types import Output
-from arnorm.op._caller_outputs import check_out_tensors, copy_into
+from arnorm.op._caller_outputs import check_out_tensors, copy_into, unwritten_destination
 from arnorm.op._check import check_call
 from arnorm.op._custom_op import call_custom_op
 from arnorm.op._guards import agree_call, guard, no_backend
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from arnorm.op._op import AllReduceNorm
 
-__all__ = ["call", "out_check", "trust_weight"]
+__all__ = ["call", "out_check", "returned_out", "trust_weight"]
 
 _TWO_THREADS = "op: called from two threads at once (needs one call at a time per op)"
 
@@ -75,7 +75,11 @@ def call(
         result = accept(self._accel_state, self, hidden_states, residual, weight, scale, out)
         if result is not NotImplemented:
             if result is not None:
-                return result
+                # With out=, the helper tested that the result holds out's tensors; one that does
+                # not comes back as a 1-tuple (an Output's type is Output, never tuple).
+                if out is None or type(result) is not tuple:
+                    return result
+                return returned_out(self, result[0], out, hidden_states)
             declined = True
     if self._check_calls:
         self._seq += 1
@@ -128,13 +132,20 @@ def call(
                     ok = ok and hidden_states.is_cpu and residual.is_cpu
                 else:
                     ok = ok and hidden_states.get_device() == index and residual.get_device() == index
-                ok = ok and self._add_residual and residual.dtype is dt and residual.shape == shape
+                ok = (
+                    ok
+                    and self._add_residual
+                    and residual.dtype is dt
+                    and residual.shape == shape
+                    and not residual.is_neg()
+                )
             ok = (
                 ok
                 and hidden_states.dtype is dt
                 and len(shape) == 2
                 and shape[1] == h
                 and 0 < t <= max_tokens
+                and not hidden_states.is_neg()  # a lazy negation: pointer-based backends ignore the bit
                 and (
                     (weight is self._last_weight and wp == self._last_wptr)
                     or self._trusted_weights.get(id(weight)) == wp
@@ -185,6 +196,13 @@ def call(
         if fast is not None and ok and not declined:
             result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
             if result is not None:
+                if out is not None and not (
+                    type(result) is Output
+                    and result.normed is out.normed
+                    and result.quant is out.quant
+                    and (self._inplace or result.residual is out.residual)
+                ):
+                    result = returned_out(self, result, out, hidden_states)
                 return guard(result, hidden_states, residual, weight) if grad else result
         if not ok:
             check_call(self._rules, hidden_states, residual, weight, scale)
@@ -198,7 +216,9 @@ def call(
         else:
             if not checked:
                 self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
-            result = self._into_table[t](hidden_states, residual, weight, scale, out)
+            result = returned_out(
+                self, self._into_table[t](hidden_states, residual, weight, scale, out), out, hidden_states
+            )
         return guard(result, hidden_states, residual, weight) if grad else result
     finally:
         token.append(None)
@@ -207,6 +227,34 @@ def call(
 def _requires_grad(hidden_states: Any, residual: Any, weight: Any) -> bool:
     residual_grad = residual is not None and residual.requires_grad
     return bool(hidden_states.requires_grad or residual_grad or weight.requires_grad)
+
+
+def returned_out(self: AllReduceNorm, result: Any, out: Output, hidden_states: Any) -> Output:
+    """``result``, when it hands back the caller's ``out`` tensors (identity: a few ``is`` tests);
+    else raise naming the backend: one declaring ``caller_outputs`` that ignored ``out`` has left
+    the caller's buffers unwritten, and the values an engine reads next would be stale."""
+    if (
+        type(result) is Output
+        and result.normed is out.normed
+        and (self._inplace or result.residual is out.residual)
+    ):
+        q = out.quant
+        if q is None or (
+            result.quant is not None and result.quant.data is q.data and result.quant.scale is q.scale
+        ):
+            return result
+    where = unwritten_destination(result, out, self._out_rules)
+    if not where:
+        return result
+    impl = self._table[hidden_states.shape[0]]
+    names = [n for n, c in zip(self._explanation.chain, self._chain, strict=True) if c is impl]
+    name = names[0] if names else self.backend
+    msg = (
+        f"backend {name!r}: {where}: not the caller's tensor, its buffer left unwritten (needs a backend "
+        "that writes into out= and returns its tensors, as Capabilities(caller_outputs=True) promises; "
+        "fix or report the plugin, or call without out=)"
+    )
+    raise BackendBrokenError(msg, self._explanation)
 
 
 def out_check(self: AllReduceNorm, out: Any) -> Any:

@@ -36,6 +36,7 @@ __all__ = [
     "check_out_tensors",
     "copy_into",
     "empty_output",
+    "unwritten_destination",
 ]
 
 #: Trusted ``out`` objects per op before the table starts over (bounded like weights).
@@ -150,11 +151,19 @@ def check_out_tensors(rules: OutRules, out: object, t: int) -> list[tuple[str, A
 
 def check_out(rules: OutRules, out: object, t: int) -> Spans:
     """Check ``out`` for ``t`` tokens on its own (not against the call's inputs): its tensors
-    (:func:`check_out_tensors`), 16-byte alignment, and no two destinations sharing a byte; raise
+    (:func:`check_out_tensors`), no negative bit, 16-byte alignment, and no two destinations
+    sharing a byte; raise
     :class:`InvalidInputError` for the first thing wrong, else return its :class:`Spans`."""
     dests = check_out_tensors(rules, out, t)
     ranges: list[tuple[int, int]] = []
     for arg, d in dests:
+        # Written through its pointer, the bit would negate what the caller reads back. (Not in
+        # check_out_tensors: a compiled call copies into out with torch ops, which honour it.)
+        if d.is_neg() or d.is_conj():
+            raise InvalidInputError(
+                f"{arg}: negative bit set, a lazy negation such as torch._neg_view(t) (needs a plain "
+                "buffer: backends write the memory, not the bit)"
+            )
         start = d.data_ptr()
         if start % 16:
             raise InvalidInputError(
@@ -223,6 +232,38 @@ class OutTrust:
         check_out_inputs(s, self.rules, tuple(zip(names, tensors, strict=True)))
 
 
+def _same_memory(got: Any, want: Any) -> bool:
+    """``got`` is ``want`` or a view of exactly its memory (a backend may return ``out.normed.view(...)``)."""
+    if got is want:
+        return True
+    try:
+        return bool(
+            got.data_ptr() == want.data_ptr() and got.shape == want.shape and got.stride() == want.stride()
+            and got.dtype == want.dtype and got.device == want.device
+        )  # fmt: skip
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+
+
+def unwritten_destination(result: Any, out: Output, rules: OutRules) -> str:
+    """The first destination of ``out`` that ``result`` does not hand back (``""``: it holds them
+    all). A backend declaring ``caller_outputs`` must return the caller's tensors; one that returns
+    new ones has left the caller's buffers unwritten."""
+    if not isinstance(result, Output):
+        return "out"
+    if not _same_memory(result.normed, out.normed):
+        return "out.normed"
+    if not rules.inplace and not _same_memory(result.residual, out.residual):
+        return "out.residual"
+    if rules.quant is not None and out.quant is not None:
+        got = result.quant
+        if not isinstance(got, QuantizedActivation) or not _same_memory(got.data, out.quant.data):
+            return "out.quant.data"
+        if FORMAT_SPECS[rules.quant].scale_dtype is not None and not _same_memory(got.scale, out.quant.scale):
+            return "out.quant.scale"
+    return ""
+
+
 def empty_output(rules: OutRules, t: int, scale: Any = None) -> Output:
     """Uninitialized destinations for ``t`` tokens (``residual`` is ``None`` for an in-place op)."""
     import torch
@@ -254,7 +295,17 @@ class CopyInto:
         self._inplace = inplace
 
     def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any, out: Output) -> Output:
-        return copy_into(self.impl(hidden_states, residual, weight, scale), out, self._inplace)
+        got = self.impl(hidden_states, residual, weight, scale)
+        if not isinstance(got, Output):  # else an AttributeError from inside arnorm's copy
+            from arnorm._errors import BackendBrokenError
+
+            name = getattr(self.impl, "name", type(self.impl).__name__)
+            msg = (
+                f"backend {name!r}: its call returned {type(got).__name__} "
+                "(needs an arnorm.plugin.Output(normed, residual, quant))"
+            )
+            raise BackendBrokenError(msg)
+        return copy_into(got, out, self._inplace)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.impl, name)

@@ -16,6 +16,8 @@ A call is accepted when:
   the op may write it, and a residual read through another view of it gives wrong sums);
 - ``weight`` is a contiguous ``[H]`` tensor of the op's dtype on its device;
 - ``scale`` is an fp32 ``[1]`` tensor on the device for fp8_static / nvfp4, else ``None``;
+- no tensor has the negative or conjugate bit set (``torch._neg_view``, ``z.conj().imag``): a
+  backend reads the memory through its data pointer, where the lazy negation is not applied;
 - with autograd recording, an in-place op is not handed a leaf ``hidden_states`` that requires grad.
 """
 
@@ -30,7 +32,7 @@ from arnorm._formats import FORMAT_SPECS
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CallRules", "check_call", "needs_scale", "span"]
+__all__ = ["CallRules", "check_call", "check_lazy_bits", "needs_scale", "span"]
 
 
 def needs_scale(quant: str | None) -> bool:
@@ -96,7 +98,22 @@ def _check_tensor(arg: str, t: object, rules: CallRules) -> torch.Tensor:
         raise InvalidInputError(f"{arg}: dtype {t.dtype} (needs {rules.dtype}, the op's dtype)")
     if t.device != rules.device:
         raise InvalidInputError(f"{arg}: device {t.device} (needs {rules.device}, the op's device)")
+    check_lazy_bits(arg, t)
     return t
+
+
+def check_lazy_bits(arg: str, t: Any) -> None:
+    """Raise for a tensor whose negation or conjugation is a bit, not its memory: a backend reading
+    the data pointer (a Triton or CUDA kernel, a fast path) would ignore it and compute wrong values."""
+    if t.is_neg():
+        raise InvalidInputError(
+            f"{arg}: negative bit set, a lazy negation such as torch._neg_view(t) or z.conj().imag "
+            f"(needs {arg}.resolve_neg(): backends read the memory, not the bit)"
+        )
+    if t.is_conj():
+        raise InvalidInputError(
+            f"{arg}: conjugate bit set (needs {arg}.resolve_conj(): backends read the memory, not the bit)"
+        )
 
 
 def _check_residual(residual: object, shape: tuple[int, ...], rules: CallRules) -> torch.Tensor | None:
@@ -158,6 +175,7 @@ def check_call(
             raise InvalidInputError(f"scale: shape {list(scale.shape)} (needs [1])")
         if scale.device != rules.device:
             raise InvalidInputError(f"scale: device {scale.device} (needs {rules.device}, the op's device)")
+        check_lazy_bits("scale", scale)
     elif scale is not None:
         raise InvalidInputError(
             f"scale: {type(scale).__name__} (needs None: quant={rules.quant!r} takes no input scale)"

@@ -185,12 +185,20 @@ def _define_ops() -> None:
             return torch.empty_like(like)
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            ctx.save_for_backward(inputs[1], inputs[2], inputs[3])
+            # Shapes only, no saved tensors: an in-place op copies the result back into
+            # hidden_states right after this op, and a saved hidden_states would then fail
+            # autograd's version check when AOT autograd traces the backward (compiling in grad mode).
+            ctx.likes = [None if t is None else (t.shape, t.dtype, t.device) for t in inputs[1:4]]
 
         def backward(ctx: Any, *grads: Any) -> Any:
             # Every differentiable input gets the raising op as its gradient, so that whichever
             # one autograd needs (a weight that is a parameter, usually) runs it.
-            marks = [None if t is None else torch.ops.arnorm.inference_only(t) for t in ctx.saved_tensors]
+            marks = [
+                None
+                if m is None
+                else torch.ops.arnorm.inference_only(torch.empty(m[0], dtype=m[1], device=m[2]))
+                for m in ctx.likes
+            ]
             return None, *marks, None
 
         all_reduce_norm.register_autograd(backward, setup_context=setup_context)

@@ -67,7 +67,7 @@ class Trust:
         """Check ``w`` fully and trust it when it passes (``ptr`` is its data pointer)."""
         r = self.rules
         ok = w.dtype is r.dtype and w.shape == (r.hidden,) and w.device == r.device and w.is_contiguous()
-        return ok and self._keep(self.weights, w, ptr)
+        return ok and not w.is_neg() and self._keep(self.weights, w, ptr)
 
     def scale(self, s: Any, ptr: int) -> bool:
         """Check the fp32 ``[1]`` scale fully and trust it when it passes."""
@@ -75,7 +75,7 @@ class Trust:
 
         r = self.rules
         ok = r.needs_scale and s.dtype is torch.float32 and s.shape == (1,) and s.device == r.device
-        return ok and self._keep(self.scales, s, ptr)
+        return ok and not s.is_neg() and self._keep(self.scales, s, ptr)
 
 
 def guard(

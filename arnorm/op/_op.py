@@ -113,7 +113,8 @@ class AllReduceNorm:
         dtype: ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
         norm: :class:`arnorm.RMSNorm` (``weight_offset=1.0`` for Gemma).
         quant: ``None`` or ``"fp8_static"``, ``"fp8_per_token"``, ``"nvfp4"``, ``"mxfp8"``.
-        max_tokens: the largest ``T`` a call may pass; sizes workspaces.
+        max_tokens: the largest ``T`` a call may pass; sizes workspaces. At most 2**20
+            (:data:`arnorm.op._args.MAX_TOKENS`): construction asks every backend about each count.
         backend: ``None`` for auto, or a name / ordered list of names (strict: no fallback).
         normed_output: also return the normed activation in ``dtype``.
         inplace: write the new residual into ``hidden_states``' buffer.

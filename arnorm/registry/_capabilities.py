@@ -42,8 +42,10 @@ class Capabilities(BaseModel):
       arnorm passes rows of a ``-0.0`` buffer as the residual (``x + -0.0 == x`` bit for bit), at
       the cost of reading them.
     - ``caller_outputs``: whether the backend's call takes a fifth argument ``out`` (an
-      :class:`arnorm.Output` of caller-owned buffers, checked by arnorm) and writes into it. It
-      never excludes a backend: for one that does not, arnorm copies its outputs into ``out``.
+      :class:`arnorm.Output` of caller-owned buffers, checked by arnorm) and writes into it, its
+      result holding those tensors (checked on every ``out=`` call: otherwise the call raises
+      ``BackendBrokenError`` naming the backend). It never excludes a backend: for one that does
+      not, arnorm copies its outputs into ``out``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

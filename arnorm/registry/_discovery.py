@@ -1,10 +1,13 @@
 """Plugin discovery: pluggy over the ``arnorm.backends`` entry points.
 
 Only descriptors are loaded here (cheap modules returning :class:`BackendSpec`); a backend's heavy
-module is imported when it is probed. A plugin that raises anything (``SystemExit`` included;
-only ``KeyboardInterrupt`` propagates), implements a hook arnorm does not define, returns
-something other than specs, or claims a built-in backend's name is recorded as *broken* with the
-reason and a warning; it never breaks the core or another plugin.
+module is imported when it is probed. Each entry point's module is imported within
+``ARNORM_PROBE_TIMEOUT`` (:mod:`arnorm.registry._imports`): one whose import never returns is listed as
+broken ("import: no answer in 15 s, still running ...") instead of hanging every use of arnorm. A
+plugin that raises anything (``SystemExit`` included; only ``KeyboardInterrupt`` propagates),
+implements a hook arnorm does not define, returns something other than specs, or claims a built-in
+backend's name is recorded as *broken* with the reason and a warning; it never breaks the core or
+another plugin.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pluggy
 
 from arnorm._errors import ArnormWarning
 from arnorm.registry._failure import plugin_failure
+from arnorm.registry._imports import discovery_timeout, import_bounded, timed_out
 from arnorm.registry._spec import BUILTIN_NAMES, PROJECT, BackendHookSpecs, BackendSpec, priority_order
 
 __all__ = [
@@ -125,10 +129,17 @@ class Registry:
         pm.add_hookspecs(BackendHookSpecs)
         eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
         ordered = sorted(eps, key=lambda e: (_distribution(e) != CORE_DISTRIBUTION, e.name))
+        timeout = discovery_timeout()
         for ep in ordered:
             plugin, dist = ep.name, _distribution(ep)
             try:
-                module = ep.load()
+                status, got = import_bounded(ep.value.partition(":")[0].strip(), timeout)
+                if status == "timeout":
+                    registry._put(_broken(plugin, plugin, timed_out(timeout, "plugin module")))
+                    continue
+                if status == "raised":
+                    raise got
+                module = ep.load()  # imported above: only the attribute lookup is left
                 pm.register(module, name=plugin)
                 pm.check_pending()  # a marked hook arnorm does not define (arnorm_backend) is an error
                 impls = [i for i in pm.hook.arnorm_backends.get_hookimpls() if i.plugin_name == plugin]

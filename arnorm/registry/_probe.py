@@ -1,10 +1,12 @@
-"""Probing one backend on this rank: load its class, run its probe, bounded in time, cached.
+"""Probing one backend on this rank: load its class, run its probe, each bounded in time, cached.
 
 A probe is plugin code: it may raise anything, hang, or return garbage. Each outcome becomes a
-verdict here (``"broken"`` or ``"incompatible"`` with reasons in the grammar), never an exception
-in the caller. The probe runs on a helper thread with the op's device current, so a probe that
-does not answer within ``timeout`` seconds is a rejection ("probe: no answer in 15 s ...") while
-the thread is left to finish on its own. Results are cached per process for an identical problem.
+verdict here (``"broken"`` or ``"incompatible"`` with reasons in the grammar), never an exception in
+the caller. The backend's module is imported within ``timeout`` seconds first
+(:mod:`arnorm.registry._imports`: an import that never returns is ``"import: no answer in ..."``). The probe
+runs on a helper thread with the op's device current, so a probe that does not answer within
+``timeout`` seconds is a rejection ("probe: no answer in 15 s ...") while the thread is left to
+finish on its own. Results are cached per process for an identical problem.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from arnorm.registry._failure import plugin_failure
+from arnorm.registry._imports import import_bounded, timed_out
 
 if TYPE_CHECKING:
     from arnorm._problem import Problem
@@ -34,10 +37,16 @@ def clear_probe_cache() -> None:
         _cache.clear()
 
 
-def load_class(spec: BackendSpec) -> tuple[Any, str]:
-    """``(class, "")``, or ``(None, reason)`` when the module fails to import or breaks the protocol."""
+def load_class(spec: BackendSpec, timeout: float) -> tuple[Any, str]:
+    """``(class, "")``, or ``(None, reason)`` when the module fails to import within ``timeout``
+    seconds (:func:`arnorm.registry._imports.import_bounded`) or breaks the protocol."""
     try:
-        return spec.load(), ""
+        status, got = import_bounded(spec.loader.partition(":")[0], timeout)
+        if status == "timeout":
+            return None, timed_out(timeout, f"module for backend {spec.name!r}")
+        if status == "raised":
+            raise got
+        return spec.load(), ""  # imported above: only the attribute lookup and protocol check are left
     except BaseException as exc:  # the backend module may raise anything on import
         text = str(exc)
         if isinstance(exc, TypeError) and text.startswith(("protocol:", "loader:")):
@@ -74,7 +83,7 @@ def probe(
         hit = _cache.get(key)
     if hit is not None:
         return hit
-    cls, why = load_class(spec)
+    cls, why = load_class(spec, timeout)
     if cls is None:
         result: tuple[str, tuple[str, ...]] = ("broken", (why,))
     else:

@@ -276,12 +276,12 @@ def _runs(served: list[bool]) -> tuple[tuple[int, int], ...]:
 
 
 def _build(
-    name: str, spec: Any, problem: Problem, comm: Comm, settings: BackendSettings
+    name: str, spec: Any, problem: Problem, comm: Comm, settings: BackendSettings, timeout: float = 15.0
 ) -> tuple[Any, list[bool], tuple[str, ...]]:
     """Create one backend on every rank and agree on its served token counts; ``(impl, served, failure)``."""
     instance, error = None, ""
     served: list[bool] = []
-    cls, why = load_class(spec)
+    cls, why = load_class(spec, timeout)  # loaded by the probe already: no import waits here
     try:
         if cls is None:
             error = why
@@ -356,7 +356,9 @@ def select(
         if merged.status != "eligible":
             final[v.backend] = merged
             continue
-        impl, served, failure = _build(v.backend, spec, problem, comm, settings[v.backend])
+        impl, served, failure = _build(
+            v.backend, spec, problem, comm, settings[v.backend], config.probe_timeout
+        )
         if failure:
             final[v.backend] = Verdict(v.backend, "setup_failed", failure, v.priority)
             continue

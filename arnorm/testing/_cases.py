@@ -60,6 +60,8 @@ class Case:
     normed_output: bool = True
     #: ``hidden_states`` and ``residual`` are ``[:, :H]`` views of wider buffers (row stride above H).
     strided: bool = False
+    #: The call passes caller-owned buffers (``out=op.empty_output(T)``, filled with NaN first).
+    out: bool = False
 
     @property
     def id(self) -> str:
@@ -73,7 +75,8 @@ class Case:
         copy = "" if self.inplace else "-not-inplace"
         nonormed = "" if self.normed_output else "-no-normed-output"
         strided = "-strided" if self.strided else ""
-        variant = f"{rbw}{nores}{copy}{nonormed}{strided}"
+        out = "-out" if self.out else ""
+        variant = f"{rbw}{nores}{copy}{nonormed}{strided}{out}"
         return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-{norm}{variant}"
 
 
@@ -230,6 +233,32 @@ def _layout_problems(case: Case, out: Any, x: Any, x_before: Any, buffers: dict[
     return problems
 
 
+def _nan_output(op: Any, tokens: int) -> Any:
+    """``op.empty_output(tokens)`` with every float destination NaN: an unwritten one cannot pass."""
+    dest = op.empty_output(tokens)
+    for t in (dest.normed, dest.residual):
+        if t is not None:
+            t.fill_(float("nan"))
+    return dest
+
+
+def _out_problems(out: Any, dest: Any) -> list[str]:
+    """Where the call did not hand back the caller's ``out=`` tensors (their values are judged as
+    the result's, so an unwritten buffer also fails on its NaN)."""
+    import torch
+
+    problems = []
+    for field in ("normed", "residual"):
+        want = getattr(dest, field)
+        got = getattr(out, field)
+        if want is not None and not (isinstance(got, torch.Tensor) and got.data_ptr() == want.data_ptr()):
+            problems.append(
+                f"Output.{field}: not out.{field} (needs the caller's buffer passed as out=, "
+                "written and returned)"
+            )
+    return problems
+
+
 def _twin_normed(twin: Any, x: Any, residual: Any, weight: Any, scale: Any) -> tuple[Any, str]:
     """The normed output of the op's ``normed_output=True`` twin on the same inputs: ``(normed, "")``
     or ``(None, what went wrong)``."""
@@ -269,8 +298,9 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = 
             buffers["residual"], residual = _padded(residual, "residual")
     residual_before = None if residual is None else residual.clone()
     weight_before = weight.clone()
+    dest = _nan_output(op, case.tokens) if case.out else None
     try:
-        out = op(x, residual, weight, scale)
+        out = op(x, residual, weight, scale, out=dest)
     except Exception:
         return CaseResult(case, "error", error=f"the call raised:\n{traceback.format_exc()}")
     if not isinstance(out, Output):
@@ -290,6 +320,8 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = 
             f"Output.normed: {_what(out.normed)} (needs None: the op was built with normed_output=False)"
         )
     problems += _layout_problems(case, out, x, partials[rank], buffers)
+    if dest is not None:
+        problems += _out_problems(out, dest)
     if residual is not None and residual_before is not None and not torch.equal(residual, residual_before):
         problems.append(
             "residual: written by the call (needs it unchanged: only hidden_states may be written)"

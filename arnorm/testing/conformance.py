@@ -17,7 +17,8 @@ gives the same sum), the normed output within ``normed_ulps``, the quantized out
 of codes off, for fast-math kernels); the call returns an ``arnorm.plugin.Output``; the residual is
 ``hidden_states`` itself (in place) and the residual and weight inputs are left unwritten. A few
 more cases, for the first declared dtype at the largest shape, check the op's other forms: built
-with ``inplace=False`` (``hidden_states`` left unwritten, the residual a new tensor), with
+with ``inplace=False`` (``hidden_states`` left unwritten, the residual a new tensor), the same
+called with ``out=`` (the result must be the caller's buffers, written), with
 ``normed_output=False`` (no normed output; the quantized output judged against the normed output
 of the same op built with one), and, where the backend declares ``strided_rows``,
 ``hidden_states`` and ``residual`` that are ``[:, :H]`` views of wider buffers (nothing written
@@ -185,7 +186,8 @@ class ConformanceSuite:
     @classmethod
     def _variant_cases(cls, combos: list[Combo], offset: float) -> list[Case]:
         """One case each, at the shape of ``shapes`` with the most tokens, for the first declared
-        dtype (and format ``none`` where declared): an op built with ``inplace=False``; one built
+        dtype (and format ``none`` where declared): an op built with ``inplace=False``; the same
+        called with ``out=`` (NaN-filled caller buffers that must come back written); one built
         with ``normed_output=False`` (for the first declared quant format); and, where the backend
         declares ``strided_rows``, ``hidden_states`` and ``residual`` that are ``[:, :H]`` views of
         wider buffers (two different row strides)."""
@@ -195,7 +197,10 @@ class ConformanceSuite:
         tokens, h = max(cls.shapes, key=lambda s: s[0])
         plain = next((c for c in combos if c[1] is None), combos[0])
         quant = next((c for c in combos if c[1] is not None), None)
-        wanted: list[tuple[Combo, dict[str, Any]]] = [(plain, {"inplace": False})]
+        wanted: list[tuple[Combo, dict[str, Any]]] = [
+            (plain, {"inplace": False}),
+            (plain, {"inplace": False, "out": True}),
+        ]
         if quant is not None:
             wanted.append((quant, {"normed_output": False}))
         if caps.strided_rows:
@@ -275,6 +280,11 @@ class ConformanceSuite:
             pytest.fail(
                 f"{self.backend}: capabilities declare no {', '.join(missing)} (needs at least one each)"
             )
+        from arnorm.registry._imports import discovery_timeout, import_bounded, timed_out
+
+        timeout = discovery_timeout()  # a module whose import never returns fails, not hangs, the run
+        if import_bounded(spec.loader.partition(":")[0], timeout)[0] == "timeout":
+            pytest.fail(f"{self.backend}: loading {spec.loader}: {timed_out(timeout)}")
         try:
             spec.load()
         except Exception as exc:

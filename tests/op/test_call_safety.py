@@ -133,7 +133,7 @@ def test_a_weight_whose_storage_was_swapped_is_checked_again(clean_env):
 KINDS = st.sampled_from(
     ["ok", "view_alias", "overlap", "disjoint", "dtype", "res_dtype", "w_dtype", "shape", "res_shape",
      "w_shape", "strided", "transposed", "too_many", "meta", "w_in_x", "no_scale", "extra_scale",
-     "scale_in_x", "leaf_grad", "not_tensor", "w_none"]
+     "scale_in_x", "leaf_grad", "not_tensor", "w_none", "x_neg", "res_neg", "w_neg", "scale_neg"]
 )  # fmt: skip
 
 

@@ -137,6 +137,11 @@ class TestUndeclaredWorld(ConformanceSuite):
     world_sizes = (1, 2)
 
 
+class TestIgnoresOut(ConformanceSuite):
+    backend = "pl_ignores_out"
+    world_sizes = (1,)
+
+
 class TestUndeclaredWorldRequired(ConformanceSuite):
     backend = "pl_only_four_ranks"
     world_sizes = (1, 2)
@@ -285,10 +290,13 @@ def test_planted_base_passes_every_variant(report):
 
 
 def test_writing_hidden_states_of_an_op_not_in_place_fails(report):
-    """A backend that writes the new residual into hidden_states on an inplace=False op fails."""
+    """A backend that writes the new residual into hidden_states on an inplace=False op fails (both
+    inplace=False cases: with and without out=)."""
     outcome, message = report["TestWritesInput.test_matches_reference[1]"]
     assert outcome == "failed", message
-    assert _failed_cases(message) and all(c.endswith("-not-inplace") for c in _failed_cases(message)), message
+    cases = _failed_cases(message)
+    assert cases and all("-not-inplace" in c for c in cases), message
+    assert {c.endswith("-out") for c in cases} == {True, False}, message  # with and without out=
     assert (
         "hidden_states: written by the call (needs it unchanged: the op was built with inplace=False)"
         in message
@@ -347,3 +355,13 @@ def test_undeclared_world_sizes_skip_and_fail_with_require(report):
     key = "TestUndeclaredWorldRequired.test_bad_inputs_raise_everywhere_and_leave_op_usable"
     assert report[key][0] == "failed", report[key]
     assert report["TestUndeclaredWorldRequired.test_declares_and_loads"][0] == "passed"
+
+
+def test_a_backend_declaring_caller_outputs_that_ignores_out_fails(report):
+    """Every backend is called with out= once; one that declares caller_outputs and returns new
+    tensors fails that case, naming the buffer (the core's check raises in the call), and only it."""
+    outcome, message = report["TestIgnoresOut.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    assert "-not-inplace-out: the call raised" in message and "out.normed" in message, message
+    assert "pl_ignores_out" in message, message
+    assert {c.rsplit("-", 1)[1] for c in _failed_cases(message)} == {"out"}, message

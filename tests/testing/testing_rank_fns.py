@@ -170,6 +170,15 @@ class ReturnsNone(Planted):
         super().__call__(hidden_states, residual, weight, scale)
 
 
+class IgnoresOut(Planted):
+    """Declares caller_outputs, takes out= and returns new tensors, leaving the caller's unwritten."""
+
+    name = "pl_ignores_out"
+
+    def __call__(self, hidden_states, residual, weight, scale, out=None):
+        return super().__call__(hidden_states, residual, weight, scale)
+
+
 class OnlyFourRanks(Planted):
     """Correct, and declares world size 4 only."""
 
@@ -197,4 +206,5 @@ def arnorm_backends():
         _planted("pl_returns_tuple", "ReturnsTuple"),
         _planted("pl_returns_none", "ReturnsNone"),
         _planted("pl_only_four_ranks", "OnlyFourRanks", world_sizes=frozenset({4})),
+        _planted("pl_ignores_out", "IgnoresOut", caller_outputs=True),
     ]
