@@ -122,4 +122,6 @@ def build_problem(
         gfx_arch=gfx,
         round_before_weight=norm.round_before_weight,
         add_residual=bool(add_residual),
+        # With no add, the sum normalized is the rounded s either way: one problem, one selection.
+        normalize_unrounded=norm.normalize_unrounded and bool(add_residual),
     )

@@ -18,6 +18,7 @@ def arnorm_backends() -> list[BackendSpec]:
                 platforms=frozenset({"cpu", "cuda", "rocm"}),
                 quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
                 round_before_weight=True,
+                normalize_unrounded=True,
                 strided_rows=True,
                 residual_free=True,
             ),

@@ -59,6 +59,8 @@ class Case:
     normed_output: bool = True
     #: ``hidden_states`` and ``residual`` are ``[:, :H]`` views of wider buffers (row stride above H).
     strided: bool = False
+    #: ``RMSNorm(normalize_unrounded=True)``: the norm reads the fp32 sum before it is rounded.
+    normalize_unrounded: bool = False
 
     @property
     def id(self) -> str:
@@ -70,7 +72,8 @@ class Case:
         copy = "" if self.inplace else "-notinplace"
         nonormed = "" if self.normed_output else "-nonormed"
         strided = "-strided" if self.strided else ""
-        variant = f"{rbw}{nores}{copy}{nonormed}{strided}"
+        unr = "-unrounded" if self.normalize_unrounded else ""
+        variant = f"{rbw}{unr}{nores}{copy}{nonormed}{strided}"
         return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-b{self.weight_offset:g}{variant}"
 
 
@@ -136,7 +139,7 @@ def build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, 
             _group(),
             hidden_size=case.hidden,
             dtype=getattr(torch, case.dtype),
-            norm=arnorm.RMSNorm(1e-6, case.weight_offset, case.round_before_weight),
+            norm=arnorm.RMSNorm(1e-6, case.weight_offset, case.round_before_weight, case.normalize_unrounded),
             quant=case.quant,
             scale_layout=case.layout,
             max_tokens=max_tokens,
@@ -312,18 +315,23 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = 
     problems = [p for p in problems if p]
     if problems:
         return CaseResult(case, "error", error="; ".join(problems))
+    reduced = rank_order_sum(partials)
     h, y = add_rmsnorm(
-        rank_order_sum(partials),
+        reduced,
         residual_before,
         weight_before,
         1e-6,
         case.weight_offset,
         case.round_before_weight,
+        case.normalize_unrounded,
     )
     normed = None
     if case.normed_output:
         if case.round_before_weight:
-            y = nearest_two_rounding_normed(out.normed, h, weight_before, 1e-6, case.weight_offset)
+            unrounded = None
+            if case.normalize_unrounded and residual_before is not None:
+                unrounded = reduced.float() + residual_before.float()
+            y = nearest_two_rounding_normed(out.normed, h, weight_before, 1e-6, case.weight_offset, unrounded)
         normed = compare(out.normed, y)
     result = CaseResult(case, "ran", residual=compare(out.residual, h), normed=normed)
     if case.quant is None:
