@@ -27,17 +27,16 @@ call, and it must happen before CUDA-graph capture (call :func:`warmup` first).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from arnorm._errors import InvalidInputError, NoEligibleBackendError
+from arnorm._errors import InvalidInputError
 from arnorm._op import AllReduceNorm
 from arnorm._reference import add_rmsnorm
-from arnorm._types import LOCAL, RMSNorm
+from arnorm._types import LOCAL
+from arnorm.integrations import _vllm_ops
 from arnorm.integrations._common import accepts_residual, norm_eps
 from arnorm.integrations._vllm_checks import (
     not_gemma_reason,
@@ -46,9 +45,15 @@ from arnorm.integrations._vllm_checks import (
     unfusable_norm_reason,
     warn_unfused,
 )
-from arnorm.integrations._vllm_groups import Tp, explicit_tp, vllm_coordinator, vllm_tp
+from arnorm.integrations._vllm_groups import explicit_tp
 from arnorm.integrations._vllm_keys import format_of_key
 from arnorm.integrations._vllm_norms import VLLM_033_GEMMA, Arithmetic, arithmetic_of
+from arnorm.integrations._vllm_ops import DEFAULT_MAX_TOKENS, settings
+from arnorm.integrations._vllm_ops import entry as entry_for
+from arnorm.integrations._vllm_ops import local_tp as _local_tp
+from arnorm.integrations._vllm_ops import lock as _lock
+from arnorm.integrations._vllm_ops import ops as _ops  # noqa: F401  (the ops built so far, for tests)
+from arnorm.integrations._vllm_ops import tp as _tp
 from arnorm.integrations._vllm_types import block_scales, scale_layout_for, to_vllm
 
 __all__ = [
@@ -62,44 +67,6 @@ __all__ = [
     "op_for",
     "warmup",
 ]
-
-#: Token budget of the ops when neither configure() nor vLLM's scheduler says otherwise.
-DEFAULT_MAX_TOKENS = 8192
-
-
-@dataclass
-class _Settings:
-    group: Any = None  # None: vLLM's
-    cpu_group: Any = None
-    max_tokens: int | None = None
-    backend: str | Sequence[str] | None = None
-    explicit: Tp | None = None
-    from_vllm: Tp | None = None
-
-
-@dataclass
-class _Entry:
-    op: AllReduceNorm | None  # None: the op refused this configuration, for ``refused``
-    served: dict[int, bool] = field(default_factory=dict)
-    refused: str | None = None
-
-    def serves(self, num_tokens: int) -> bool:
-        """A backend other than the reference serves ``num_tokens`` (cached per count)."""
-        known = self.served.get(num_tokens)
-        if known is None:
-            if self.op is None:
-                return False
-            try:
-                known = self.op.backend_for(num_tokens) != "reference"
-            except (InvalidInputError, NoEligibleBackendError):  # above the budget, or nothing serves it
-                known = False
-            self.served[num_tokens] = known
-        return known
-
-
-_settings = _Settings()
-_ops: dict[tuple[Any, ...], _Entry] = {}
-_lock = threading.RLock()
 
 
 def configure(
@@ -138,82 +105,13 @@ def configure(
         raise InvalidInputError(f"max_tokens: {max_tokens!r} (needs a positive int or None)")
     with _lock:
         close()
-        _settings.group, _settings.cpu_group = group, cpu_group
-        _settings.max_tokens, _settings.backend = max_tokens, backend
-        _settings.explicit = None if group is None else explicit_tp(group, cpu_group)
-        _settings.from_vllm = None
+        settings.group, settings.cpu_group = group, cpu_group
+        settings.max_tokens, settings.backend = max_tokens, backend
+        settings.explicit = None if group is None else explicit_tp(group, cpu_group)
+        settings.from_vllm = None
 
 
-def close() -> None:
-    """Close every op built so far (local; the next call builds them again, collectively)."""
-    with _lock:
-        entries = list(_ops.values())
-        _ops.clear()
-    for entry in entries:
-        if entry.op is not None:
-            entry.op.close()
-
-
-def _tp() -> Tp:
-    if _settings.explicit is not None:
-        return _settings.explicit
-    coordinator = vllm_coordinator()
-    cached = _settings.from_vllm
-    if cached is not None and cached.source is coordinator:
-        return cached
-    with _lock:
-        close()  # ops of an earlier vLLM group
-        _settings.from_vllm = vllm_tp(coordinator)
-    return _settings.from_vllm
-
-
-_local: list[Tp] = []
-
-
-def _local_tp() -> Tp:
-    """The single-process group the mxfp8 fallback normalizes on after its all-reduce."""
-    if not _local:
-        _local.append(explicit_tp(LOCAL, None))
-    return _local[0]
-
-
-def _entry(
-    tp: Tp,
-    hidden_states: torch.Tensor,
-    norm: RMSNorm,
-    quant: str | None,
-    layout: str | None,
-    normed_output: bool,
-) -> _Entry:
-    key = (id(tp), hidden_states.shape[1], hidden_states.dtype, hidden_states.device, norm, quant, layout,
-           normed_output)  # fmt: skip
-    entry = _ops.get(key)
-    if entry is not None:
-        return entry
-    with _lock:
-        entry = _ops.get(key)
-        if entry is None:
-            try:
-                op = AllReduceNorm(
-                    tp.group,
-                    hidden_size=hidden_states.shape[1],
-                    dtype=hidden_states.dtype,
-                    norm=norm,
-                    quant=quant,
-                    max_tokens=_settings.max_tokens or DEFAULT_MAX_TOKENS,
-                    backend=_settings.backend,
-                    normed_output=normed_output,
-                    scale_layout=layout,
-                    device=hidden_states.device,
-                    cpu_group=tp.cpu_group,
-                )
-            except InvalidInputError as exc:
-                # A configuration no op takes (a hidden size the format cannot split): raised on
-                # every rank alike, so every rank takes the unfused path; kept, so not rebuilt.
-                entry = _ops[key] = _Entry(None, refused=str(exc))
-            else:
-                entry = _ops[key] = _Entry(op)
-    return entry
+close = _vllm_ops.close
 
 
 def _offset_of(norm: Any) -> float:
@@ -244,7 +142,7 @@ def op_for(
     probe = torch.empty(0, hidden_size, dtype=dtype, device=dev)
     layout = scale_layout_for(key, quant) if quant is not None else None
     rmsnorm = _arithmetic(norm, float(eps), dtype, dev).rmsnorm(float(eps))
-    entry = _entry(_tp(), probe, rmsnorm, quant, layout, return_normed or quant is None)
+    entry = entry_for(_tp(), probe, rmsnorm, quant, layout, return_normed or quant is None)
     if entry.op is None:
         raise InvalidInputError(str(entry.refused))
     return entry.op
@@ -343,7 +241,7 @@ def _norm_call(
     reason = uncallable_reason(hidden_states, residual, weight) or unfusable_norm_reason(norm)
     if reason is None:
         arith = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
-        entry = _entry(tp, hidden_states, arith.rmsnorm(eps), None, None, True)
+        entry = entry_for(tp, hidden_states, arith.rmsnorm(eps), None, None, True)
         op = entry.op
         if op is not None and entry.serves(hidden_states.shape[0]):
             out = op(hidden_states, residual, weight)
@@ -454,7 +352,7 @@ def _quantized_call(
         return None
     rmsnorm = _arithmetic(norm, eps, hidden_states.dtype, hidden_states.device).rmsnorm(eps)
     tp = _tp()
-    entry = _entry(tp, hidden_states, rmsnorm, quant, layout, normed_output)
+    entry = entry_for(tp, hidden_states, rmsnorm, quant, layout, normed_output)
     op = entry.op
     if op is None:
         warn_unfused(entry_point, str(entry.refused), 5)
@@ -472,7 +370,7 @@ def _quantized_call(
     # serves it (triton on a GPU), else the reference arithmetic (above any op's budget, on a CPU).
     reduced = tp.all_reduce(hidden_states)
     if tp.world_size > 1:
-        local = _entry(_local_tp(), reduced, rmsnorm, quant, layout, normed_output)
+        local = entry_for(_local_tp(), reduced, rmsnorm, quant, layout, normed_output)
         if local.op is not None and local.serves(reduced.shape[0]):
             return local.op(reduced, residual, weight, scale)
     from arnorm._reference import quantize_output
