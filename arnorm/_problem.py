@@ -17,7 +17,8 @@ class Problem:
     ``platform`` is ``"cuda"``, ``"rocm"`` or ``"cpu"``; ``arch`` the CUDA compute capability
     ``(major, minor)`` or, on ROCm, ``(0, 0)`` with the gfx name in ``gfx_arch``.
     ``quant`` is ``None`` or one of :data:`arnorm.QUANT_FORMATS` and ``scale_layout`` is set for
-    nvfp4 and mxfp8 only. ``round_before_weight`` is :attr:`arnorm.RMSNorm.round_before_weight`.
+    nvfp4 and mxfp8 only. ``round_before_weight`` and ``normalize_unrounded`` are
+    :class:`arnorm.RMSNorm`'s.
     ``add_residual=False``: an all-reduce + norm with no residual add (calls pass ``residual=None``;
     the new residual is the reduced sum itself).
     """
@@ -38,6 +39,7 @@ class Problem:
     gfx_arch: str | None = None
     round_before_weight: bool = False
     add_residual: bool = True
+    normalize_unrounded: bool = False
 
     @property
     def quant_name(self) -> str:
@@ -49,6 +51,8 @@ class Problem:
         norm = {0.0: "plain", 1.0: "gemma"}.get(self.weight_offset, f"offset={self.weight_offset:g}")
         if self.round_before_weight:
             norm += "/round-before-weight"
+        if self.normalize_unrounded:
+            norm += "/unrounded"
         layout = f"/{self.scale_layout}" if self.scale_layout else ""
         residual = "" if self.add_residual else " no-residual"
         return (

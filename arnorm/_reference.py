@@ -6,7 +6,8 @@ Steps (docs/numerics.md, "The contract"), for partials ``x_r`` in dtype ``D``:
 2. ``h = D(fp32(s) + fp32(residual))``                                   -> ``Output.residual``
    (no residual, ``add_residual=False``: ``h = s``);
 3. ``y = D(fp32(h) * rsqrt(mean(fp32(h)**2) + eps) * (b + fp32(g)))``     -> ``Output.normed``
-   (``round_before_weight``: ``y = D(fp32(D(fp32(h) * rsqrt(...))) * (b + fp32(g)))``);
+   (``round_before_weight``: ``y = D(fp32(D(fp32(h) * rsqrt(...))) * (b + fp32(g)))``;
+   ``normalize_unrounded``: ``fp32(s) + fp32(residual)``, not rounded, in place of ``fp32(h)``);
 4. ``q = Q(y)``: the quantizer reads the ``D``-rounded ``y``              -> ``Output.quant``.
 """
 
@@ -42,16 +43,24 @@ def add_rmsnorm(
     eps: float,
     weight_offset: float,
     round_before_weight: bool = False,
+    normalize_unrounded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 2 and 3: ``(h, y)`` from the reduced sum ``s``; both in the dtype of ``reduced``.
 
     ``reduced`` and ``residual`` are ``[T, H]`` (any row strides), ``weight`` is ``[H]``;
     ``residual=None`` is no add (``h`` is ``reduced`` itself, not a copy).
+    ``normalize_unrounded``: the norm reads the fp32 sum before it is rounded to ``h``.
     """
     import torch
 
-    h = reduced if residual is None else (reduced.float() + residual.float()).to(reduced.dtype)
-    hf = h.float()
+    if residual is None:
+        h = hf = reduced
+    else:
+        hf = reduced.float() + residual.float()
+        h = hf.to(reduced.dtype)
+    if not normalize_unrounded or residual is None:
+        hf = h
+    hf = hf.float()
     inv_rms = torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps)
     normalized = hf * inv_rms
     if round_before_weight:
@@ -107,7 +116,9 @@ class ReferenceBackend:
             reduced = hidden_states
         else:
             reduced = rank_order_sum(self._comm.all_gather(hidden_states))
-        h, y = add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
+        h, y = add_rmsnorm(
+            reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight, p.normalize_unrounded
+        )
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)

@@ -65,11 +65,19 @@ class RMSNorm:
     ``weight - 1``. ``round_before_weight=True`` is the order of Hugging Face's ``LlamaRMSNorm``
     and vLLM's ``rms_norm`` kernels (``weight * (x * rsqrt).to(dtype)``); Gemma's norms and
     FlashInfer's fused kernel round once. Everything in between is fp32.
+
+    ``normalize_unrounded=True`` normalizes ``fp32(s) + fp32(residual)`` as computed, before it is
+    rounded to ``D`` (the statistic and the scaled value both read it); the residual returned is
+    still the rounded ``h``, and the reduced sum ``s`` is rounded as always. It is the arithmetic
+    of vLLM >= 0.2x's ``fused_add_rms_norm`` (``GemmaRMSNorm`` in 0.33) and AITER's fused kernel;
+    ``False`` (the default) normalizes the rounded ``h``, as FlashInfer's fused kernel and
+    Hugging Face's norms do. With ``add_residual=False`` there is no add and the two agree.
     """
 
     eps: float = 1e-6
     weight_offset: float = 0.0
     round_before_weight: bool = False
+    normalize_unrounded: bool = False
 
     def __post_init__(self) -> None:
         from arnorm._errors import InvalidInputError
@@ -82,6 +90,9 @@ class RMSNorm:
             raise InvalidInputError(msg)
         if not isinstance(self.round_before_weight, bool):
             msg = f"round_before_weight: {self.round_before_weight!r} (needs True or False)"
+            raise InvalidInputError(msg)
+        if not isinstance(self.normalize_unrounded, bool):
+            msg = f"normalize_unrounded: {self.normalize_unrounded!r} (needs True or False)"
             raise InvalidInputError(msg)
 
     @property

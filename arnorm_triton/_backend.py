@@ -106,6 +106,7 @@ class TritonBackend:
             weight_offset=problem.weight_offset,
             round_before_weight=problem.round_before_weight,
             add_residual=problem.add_residual,
+            normalize_unrounded=problem.normalize_unrounded,
             soft=soft,
             soft_fp8=soft_fp8,
             pdl=pdl,

@@ -6,6 +6,7 @@ Per row ``t`` (``H`` = hidden size, ``D`` = the dtype, ``W`` = ``NUM_PARTIALS``;
     s   = D(sum_{r<W} fp32(x[r, t]))              # W = 1: x is the already all-reduced sum
     h   = D(fp32(s) + fp32(res[t]))               -> h_ptr (the new residual; HAS_RESIDUAL=False: h = s)
     n   = fp32(h) * (1 / sqrt_rn(sum(fp32(h)**2) / H + eps))
+                                                  (NORMALIZE_UNROUNDED: fp32(s) + fp32(res[t]) for fp32(h))
     y   = D(n * (fp32(w) + weight_offset))        (ROUND_BEFORE_WEIGHT: D(fp32(D(n)) * (...)))
                                                   -> y_ptr (when WRITE_NORMED)
     q   = Q(fp32(y))                              -> q_ptr (codes, uint8), sf_ptr (scales)
@@ -208,6 +209,7 @@ def norm_quant_epilogue(
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
     SOFT: tl.constexpr, SOFT_FP8: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True,
+    NORMALIZE_UNROUNDED: tl.constexpr = False,
 ):  # fmt: skip
     """Steps 2-4 of the contract for one row, from its reduced sum ``s``; writes every output.
 
@@ -236,6 +238,8 @@ def norm_quant_epilogue(
         SOFT, SOFT_FP8: integer-bit bf16 / e4m3 rounding (:mod:`arnorm_triton._casts`).
         HAS_RESIDUAL: False for ops built with ``add_residual=False``: ``h = s``, and ``res_ptr``
             is never read.
+        NORMALIZE_UNROUNDED: the statistic and ``n`` read the fp32 ``s + res`` (still in
+            registers) instead of ``fp32(h)``; ``h`` is stored rounded all the same.
 
     Writes exactly: ``h`` row ``t``; ``y`` row ``t`` (WRITE_NORMED); codes row ``t`` and this row's
     scales (QUANT > 0). Reads ``res``, ``w``, ``scale`` and nothing else; no barrier beyond the
@@ -248,7 +252,7 @@ def norm_quant_epilogue(
                                       QUANT, HAS_RESIDUAL)  # fmt: skip
     norm_quant_apply(s, res, w, scale, row, h_ptr, h_stride, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN,
                      BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
-                     HAS_RESIDUAL)  # fmt: skip
+                     HAS_RESIDUAL, NORMALIZE_UNROUNDED)  # fmt: skip
 
 
 @triton.jit
@@ -256,7 +260,7 @@ def norm_quant_apply(
     s, res, w, scale, row, h_ptr, h_stride, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
     WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, SOFT: tl.constexpr, SOFT_FP8: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr = True,
+    HAS_RESIDUAL: tl.constexpr = True, NORMALIZE_UNROUNDED: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`norm_quant_epilogue` with its loads already made (``res, w, scale`` as
     :func:`epilogue_operands` returns them): steps 2-4, every store."""
@@ -267,13 +271,19 @@ def norm_quant_apply(
     row64 = row.to(tl.int64)
     w = to_fp32(w, SOFT) + weight_offset
 
-    # Step 2: h = D(s + res), rounded before the statistic (the contract's order).
+    # Step 2: h = D(s + res), rounded before the statistic (the contract's order), unless the norm
+    # reads the unrounded sum (vLLM's fused_add_rms_norm order).
     if HAS_RESIDUAL:
-        h = to_dtype_rne(s + to_fp32(res, SOFT), DTYPE, SOFT)
+        unrounded = s + to_fp32(res, SOFT)
+        h = to_dtype_rne(unrounded, DTYPE, SOFT)
     else:  # s is already D-valued: the rounding is exact
+        unrounded = s
         h = to_dtype_rne(s, DTYPE, SOFT)
     tl.store(h_ptr + row64 * h_stride + offs, h, mask=mask)
-    hf = to_fp32(h, SOFT)
+    if NORMALIZE_UNROUNDED:
+        hf = unrounded
+    else:
+        hf = to_fp32(h, SOFT)
 
     # Step 3: y, with a correctly rounded mean, square root and reciprocal.
     # A power-of-two H could multiply by 1 / H (the same rounding), but on the H200 that made
@@ -364,6 +374,7 @@ def fused_add_rmsnorm_quant_kernel(
     SOFT_FP8: tl.constexpr,  # integer-bit e4m3 rounding (interpreter, pre-SM89, ROCm)
     USE_PDL: tl.constexpr,  # programmatic dependent launch (SM 9.0+, launched with launch_pdl)
     HAS_RESIDUAL: tl.constexpr,  # False: add_residual=False, res_ptr is never read
+    NORMALIZE_UNROUNDED: tl.constexpr = False,  # the norm reads fp32(s) + fp32(res), not fp32(h)
 ):
     """One program per row; with swizzled block scales, :func:`padding_programs` more programs
     zero the padding rows of the last 128-row tile, 32 rows each.
@@ -391,7 +402,8 @@ def fused_add_rmsnorm_quant_kernel(
             acc = to_fp32(to_dtype_rne(acc, h_ptr.dtype.element_ty, SOFT), SOFT)
         norm_quant_epilogue(acc, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr,
                             sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
-                            WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, HAS_RESIDUAL)  # fmt: skip
+                            WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, HAS_RESIDUAL,
+                            NORMALIZE_UNROUNDED)  # fmt: skip
     else:
         if SWIZZLED:
             if USE_PDL:  # the preceding grid may still read the scales these programs overwrite

@@ -66,6 +66,7 @@ class FusedLauncher:
         weight_offset: float,
         round_before_weight: bool = False,
         add_residual: bool = True,
+        normalize_unrounded: bool = False,
         soft: bool,
         soft_fp8: bool,
         pdl: bool = False,
@@ -101,6 +102,7 @@ class FusedLauncher:
             "SOFT_FP8": soft_fp8,
             "USE_PDL": pdl,
             "HAS_RESIDUAL": add_residual,
+            "NORMALIZE_UNROUNDED": normalize_unrounded,
         }
         names = K.fused_add_rmsnorm_quant_kernel.arg_names
         self._const_names = names[names.index("HIDDEN") :]

@@ -24,6 +24,7 @@ CAPABILITIES = Capabilities(
     min_arch=(8, 0),
     max_hidden=MAX_HIDDEN,
     round_before_weight=True,
+    normalize_unrounded=True,
     strided_rows=True,
     residual_free=True,
     caller_outputs=True,

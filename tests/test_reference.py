@@ -72,3 +72,51 @@ def test_ulp_helper_counts_neighbours():
     up = torch.tensor([1.0078125, 0.0], dtype=torch.bfloat16)
     assert ulp_diff(x, up) == 1 and ulp_diff(x, x) == 0
     assert ulp_diff(torch.tensor([-1e-40]), torch.tensor([1e-40])) > 1
+
+
+def _vllm_033_fused_add_rms_norm(x, residual, weight, eps, offset):
+    """vLLM 0.33's ``ir.ops.fused_add_rms_norm`` (GemmaRMSNorm passes ``weight.float() + 1``), as the
+    release's docs describe it: fp32 add, residual rounded, the statistic over the fp32 sum."""
+    s32 = x.float() + residual.float()
+    w = weight.float() + offset
+    y = s32 * torch.rsqrt(s32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (y.to(w.dtype) * w).to(x.dtype), s32.to(x.dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.integers(1, 8),
+    hidden=st.sampled_from([64, 256, 1000]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_normalize_unrounded_is_vllm_033_arithmetic(tokens, hidden, dtype, seed):
+    """normalize_unrounded=True: residual the rounded sum, normed read from the fp32 sum; bitwise
+    equal to vLLM 0.33's eager Gemma norm, and (on most draws) not to the rounded-sum arithmetic."""
+    g = torch.Generator().manual_seed(seed)
+    x, res = (torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(2))
+    w = (torch.randn(hidden, generator=g) * 0.1).to(dtype)
+    h, y = add_rmsnorm(x, res, w, 1e-6, 1.0, normalize_unrounded=True)
+    y_vllm, h_vllm = _vllm_033_fused_add_rms_norm(x, res, w, 1e-6, 1.0)
+    assert torch.equal(h, h_vllm) and torch.equal(y, y_vllm)
+    h_rounded, _ = add_rmsnorm(x, res, w, 1e-6, 1.0)
+    assert torch.equal(h, h_rounded)
+
+
+def test_normalize_unrounded_without_residual_is_the_default():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 128, generator=g).to(torch.bfloat16)
+    w = torch.randn(128, generator=g).to(torch.bfloat16)
+    assert torch.equal(
+        add_rmsnorm(x, None, w, 1e-6, 0.0, True, True)[1], add_rmsnorm(x, None, w, 1e-6, 0.0, True)[1]
+    )
+
+
+def test_rmsnorm_normalize_unrounded_is_validated():
+    import pytest
+
+    import arnorm
+
+    with pytest.raises(arnorm.InvalidInputError, match=r"normalize_unrounded: 1 \(needs True or False\)"):
+        arnorm.RMSNorm(1e-6, 1.0, False, 1)  # type: ignore[arg-type]
+    assert arnorm.RMSNorm(1e-6, 1.0, normalize_unrounded=True).normalize_unrounded

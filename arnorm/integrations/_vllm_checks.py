@@ -10,7 +10,14 @@ import torch
 from arnorm.integrations._common import warn_once
 from arnorm.integrations._hf_inspect import NORMS
 
-__all__ = ["DTYPES", "not_gemma_reason", "uncallable_reason", "warn_unfused"]
+__all__ = [
+    "DTYPES",
+    "not_gemma_reason",
+    "not_plain_reason",
+    "uncallable_reason",
+    "unfusable_norm_reason",
+    "warn_unfused",
+]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Norm classes known to multiply by ``weight``, not ``1 + weight``: vLLM's plain norms and the
@@ -40,6 +47,30 @@ def not_gemma_reason(norm: Any) -> str | None:
             )
         _NOT_GEMMA[cls] = reason
     return _NOT_GEMMA[cls]
+
+
+def not_plain_reason(norm: Any) -> str | None:
+    """Why ``norm`` is not a plain norm (``weight`` multiplies), or None: a class named like Gemma
+    anywhere in its MRO multiplies by ``1 + weight``."""
+    cls = type(norm)
+    if any("gemma" in c.__name__.lower() for c in cls.__mro__):
+        return (
+            f"norm: {cls.__name__}, a Gemma norm that multiplies by 1 + weight (needs a plain RMSNorm: "
+            "fused_allreduce_rms_norm multiplies by weight; use fused_allreduce_gemma_rms_norm)"
+        )
+    return None
+
+
+def unfusable_norm_reason(norm: Any) -> str | None:
+    """Why no arnorm op computes what ``norm`` computes, or None: vLLM's ``RMSNorm(var_hidden_size=...)``
+    takes the statistic over the first ``var_hidden_size`` values only."""
+    override = getattr(norm, "variance_size_override", None)
+    if override is not None:
+        return (
+            f"norm: {type(norm).__name__} with the statistic over the first {override} values "
+            "(needs the statistic over the whole hidden size: no var_hidden_size)"
+        )
+    return None
 
 
 def uncallable_reason(hidden_states: Any, residual: Any, weight: Any) -> str | None:

@@ -30,8 +30,9 @@ def format_of_key(key: Any) -> str | None:
 
     - fp8 e4m3fn, static fp32 per-tensor scale: ``"fp8_static"`` (``kFp8StaticTensorSym``);
     - fp8 e4m3fn, dynamic fp32 per-token scale: ``"fp8_per_token"`` (``kFp8DynamicTokenSym``);
-    - packed fp4 (uint8), dynamic e4m3 scales per 16, static fp32 second scale: ``"nvfp4"`` (``kNvfp4Quant``);
-    - fp8 e4m3fn, dynamic E8M0 scales (uint8 or float8_e8m0fnu) per 32: ``"mxfp8"``.
+    - packed fp4 (uint8), dynamic e4m3 scales per 16, static fp32 second scale: ``"nvfp4"``
+      (``kNvfp4Dynamic``);
+    - fp8 e4m3fn, dynamic E8M0 scales (uint8 or float8_e8m0fnu) per 32: ``"mxfp8"`` (``kMxfp8Dynamic``).
 
     Everything else (e4m3fnuz, asymmetric, per-group fp8, dynamic per-tensor, ...) is None.
     """

@@ -1,40 +1,59 @@
-"""vLLM's fused all-reduce + Gemma RMSNorm entry points, served by arnorm.
+"""vLLM's fused all-reduce + (Gemma) RMSNorm entry points, served by arnorm.
 
 A vLLM model file switches by changing an import; the signatures and return contracts are the
-seeds' own::
+seeds' and vLLM 0.33's own::
 
     from arnorm.integrations.vllm import fused_allreduce_gemma_rms_norm
 
     normed, residual = fused_allreduce_gemma_rms_norm(hidden_states, residual, self.norm)
 
-- :func:`fused_allreduce_gemma_rms_norm` always returns. It runs the best eligible arnorm backend,
-  or, when only the reference would serve the call (or the call has more tokens than the
-  budget), the unfused path: the TP all-reduce then ``norm(reduced, residual)``.
-- :func:`fused_allreduce_gemma_rms_norm_quant` and :func:`allreduce_gemma_rms_norm_mxfp8` return
-  None exactly when no fused backend serves the call, so the caller runs its own unfused path.
+- :func:`fused_allreduce_gemma_rms_norm` and :func:`fused_allreduce_rms_norm` (vLLM's plain
+  ``RMSNorm``) always return. They run the best eligible arnorm backend, or, when only the
+  reference would serve the call (or the call has more tokens than the budget), the unfused path:
+  the TP all-reduce then ``norm(reduced, residual)``. The fused path computes the arithmetic of the
+  norm module it is handed (probed once, :mod:`arnorm.integrations._vllm_norms`), so the result does
+  not depend on which path ran, up to the order in which a GPU kernel sums the statistic's squares.
+- :func:`fused_allreduce_gemma_rms_norm_quant` returns vLLM's own ``QuantizedActivation``, or None
+  exactly when no fused backend serves the call, so the caller runs its own unfused path.
+- :func:`allreduce_gemma_rms_norm_mxfp8` returns a result wherever arnorm can compute one (fused, or
+  the all-reduce then arnorm's norm + mxfp8), None only where no path takes the inputs.
 
 The TP group is vLLM's (its device group and its CPU group) when vllm is importable, unless
 :func:`configure` named one; without vllm, :func:`configure` is required. Ops are built lazily,
-one per (group, hidden size, dtype, device, eps, format, normed output), and shared by every
+one per (group, hidden size, dtype, device, norm arithmetic, format, normed output), and shared by every
 layer with that configuration. Building one is collective: every TP rank makes the same first
 call, and it must happen before CUDA-graph capture (call :func:`warmup` first).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from arnorm._errors import InvalidInputError, NoEligibleBackendError
-from arnorm._types import LOCAL, QuantizedActivation, RMSNorm
-from arnorm.integrations._common import accepts_residual, gemma_add_norm, norm_eps
-from arnorm.integrations._vllm_checks import not_gemma_reason, uncallable_reason, warn_unfused
-from arnorm.integrations._vllm_groups import Tp, explicit_tp, vllm_coordinator, vllm_tp
+from arnorm._errors import InvalidInputError
+from arnorm._reference import add_rmsnorm
+from arnorm._types import LOCAL
+from arnorm.integrations import _vllm_ops
+from arnorm.integrations._common import accepts_residual, norm_eps
+from arnorm.integrations._vllm_checks import (
+    not_gemma_reason,
+    not_plain_reason,
+    uncallable_reason,
+    unfusable_norm_reason,
+    warn_unfused,
+)
+from arnorm.integrations._vllm_groups import explicit_tp
 from arnorm.integrations._vllm_keys import format_of_key
+from arnorm.integrations._vllm_norms import VLLM_033_GEMMA, Arithmetic, arithmetic_of
+from arnorm.integrations._vllm_ops import DEFAULT_MAX_TOKENS, settings
+from arnorm.integrations._vllm_ops import entry as entry_for
+from arnorm.integrations._vllm_ops import local_tp as _local_tp
+from arnorm.integrations._vllm_ops import lock as _lock
+from arnorm.integrations._vllm_ops import ops as _ops  # noqa: F401  (the ops built so far, for tests)
+from arnorm.integrations._vllm_ops import tp as _tp
+from arnorm.integrations._vllm_types import block_scales, scale_layout_for, to_vllm
 from arnorm.op._op import AllReduceNorm
 
 __all__ = [
@@ -44,47 +63,10 @@ __all__ = [
     "configure",
     "fused_allreduce_gemma_rms_norm",
     "fused_allreduce_gemma_rms_norm_quant",
+    "fused_allreduce_rms_norm",
     "op_for",
     "warmup",
 ]
-
-#: Token budget of the ops when neither configure() nor vLLM's scheduler says otherwise.
-DEFAULT_MAX_TOKENS = 8192
-
-
-@dataclass
-class _Settings:
-    group: Any = None  # None: vLLM's
-    cpu_group: Any = None
-    max_tokens: int | None = None
-    backend: str | Sequence[str] | None = None
-    explicit: Tp | None = None
-    from_vllm: Tp | None = None
-
-
-@dataclass
-class _Entry:
-    op: AllReduceNorm | None  # None: the op refused this configuration, for ``refused``
-    served: dict[int, bool] = field(default_factory=dict)
-    refused: str | None = None
-
-    def serves(self, num_tokens: int) -> bool:
-        """A backend other than the reference serves ``num_tokens`` (cached per count)."""
-        known = self.served.get(num_tokens)
-        if known is None:
-            if self.op is None:
-                return False
-            try:
-                known = self.op.backend_for(num_tokens) != "reference"
-            except (InvalidInputError, NoEligibleBackendError):  # above the budget, or nothing serves it
-                known = False
-            self.served[num_tokens] = known
-        return known
-
-
-_settings = _Settings()
-_ops: dict[tuple[Any, ...], _Entry] = {}
-_lock = threading.RLock()
 
 
 def configure(
@@ -123,72 +105,17 @@ def configure(
         raise InvalidInputError(f"max_tokens: {max_tokens!r} (needs a positive int or None)")
     with _lock:
         close()
-        _settings.group, _settings.cpu_group = group, cpu_group
-        _settings.max_tokens, _settings.backend = max_tokens, backend
-        _settings.explicit = None if group is None else explicit_tp(group, cpu_group)
-        _settings.from_vllm = None
+        settings.group, settings.cpu_group = group, cpu_group
+        settings.max_tokens, settings.backend = max_tokens, backend
+        settings.explicit = None if group is None else explicit_tp(group, cpu_group)
+        settings.from_vllm = None
 
 
-def close() -> None:
-    """Close every op built so far (local; the next call builds them again, collectively)."""
-    with _lock:
-        entries = list(_ops.values())
-        _ops.clear()
-    for entry in entries:
-        if entry.op is not None:
-            entry.op.close()
+close = _vllm_ops.close
 
 
-def _tp() -> Tp:
-    if _settings.explicit is not None:
-        return _settings.explicit
-    coordinator = vllm_coordinator()
-    cached = _settings.from_vllm
-    if cached is not None and cached.source is coordinator:
-        return cached
-    with _lock:
-        close()  # ops of an earlier vLLM group
-        _settings.from_vllm = vllm_tp(coordinator)
-    return _settings.from_vllm
-
-
-def _entry(
-    tp: Tp,
-    hidden_states: torch.Tensor,
-    eps: float,
-    quant: str | None,
-    layout: str | None,
-    normed_output: bool,
-) -> _Entry:
-    key = (id(tp), hidden_states.shape[1], hidden_states.dtype, hidden_states.device, eps, quant, layout,
-           normed_output)  # fmt: skip
-    entry = _ops.get(key)
-    if entry is not None:
-        return entry
-    with _lock:
-        entry = _ops.get(key)
-        if entry is None:
-            try:
-                op = AllReduceNorm(
-                    tp.group,
-                    hidden_size=hidden_states.shape[1],
-                    dtype=hidden_states.dtype,
-                    norm=RMSNorm(eps, 1.0),
-                    quant=quant,
-                    max_tokens=_settings.max_tokens or DEFAULT_MAX_TOKENS,
-                    backend=_settings.backend,
-                    normed_output=normed_output,
-                    scale_layout=layout,
-                    device=hidden_states.device,
-                    cpu_group=tp.cpu_group,
-                )
-            except InvalidInputError as exc:
-                # A configuration no op takes (a hidden size the format cannot split): raised on
-                # every rank alike, so every rank takes the unfused path; kept, so not rebuilt.
-                entry = _ops[key] = _Entry(None, refused=str(exc))
-            else:
-                entry = _ops[key] = _Entry(op)
-    return entry
+def _offset_of(norm: Any) -> float:
+    return 1.0 if not_gemma_reason(norm) is None else 0.0
 
 
 def op_for(
@@ -199,16 +126,23 @@ def op_for(
     key: Any = None,
     return_normed: bool = True,
     device: torch.device | str | None = None,
+    norm: Any = None,
 ) -> AllReduceNorm | None:
     """The op calls with this configuration run on (built now if needed: collective); None for a key
-    arnorm has no format for. Its ``explain()`` says which backend serves which token count."""
+    arnorm has no format for. Its ``explain()`` says which backend serves which token count.
+
+    ``norm``: the norm module the calls hand over (its arithmetic is probed, and a plain norm means
+    :func:`fused_allreduce_rms_norm`); None: vLLM 0.33's ``GemmaRMSNorm`` arithmetic, the one the
+    quant entry point uses without ``norm=``. ``key="mxfp8"`` and a vLLM mxfp8 key build the op
+    with the scale layout each returns (row-major, 128x4-swizzled)."""
     quant = None if key is None else format_of_key(key)
     if key is not None and quant is None:
         return None
     dev = torch.device(device) if device is not None else _default_device()
     probe = torch.empty(0, hidden_size, dtype=dtype, device=dev)
-    layout = "swizzled_128x4" if quant == "nvfp4" else None
-    entry = _entry(_tp(), probe, float(eps), quant, layout, return_normed or quant is None)
+    layout = scale_layout_for(key, quant) if quant is not None else None
+    rmsnorm = _arithmetic(norm, float(eps), dtype, dev).rmsnorm(float(eps))
+    entry = entry_for(_tp(), probe, rmsnorm, quant, layout, return_normed or quant is None)
     if entry.op is None:
         raise InvalidInputError(str(entry.refused))
     return entry.op
@@ -222,14 +156,17 @@ def warmup(
     key: Any = None,
     return_normed: bool = True,
     device: torch.device | str | None = None,
+    norm: Any = None,
 ) -> None:
     """Build, now, the op that calls with this configuration will use (collective: every TP rank).
 
-    Call it before CUDA-graph capture for every configuration the model uses: ``key=None`` for
-    :func:`fused_allreduce_gemma_rms_norm`, the quant key for the other two
-    (``return_normed=False`` for :func:`allreduce_gemma_rms_norm_mxfp8` without the normed output).
+    Call it before CUDA-graph capture for every configuration the model uses, with ``norm=`` the
+    norm module the calls hand over (its arithmetic is probed now, not during capture): ``key=None``
+    for :func:`fused_allreduce_gemma_rms_norm` and :func:`fused_allreduce_rms_norm`, the quant key
+    for the other two (``key=kMxfp8Dynamic, return_normed=False`` for
+    :func:`allreduce_gemma_rms_norm_mxfp8` without the normed output).
     """
-    op_for(hidden_size, dtype, eps, key=key, return_normed=return_normed, device=device)
+    op_for(hidden_size, dtype, eps, key=key, return_normed=return_normed, device=device, norm=norm)
 
 
 def _default_device() -> torch.device:
@@ -238,14 +175,20 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _weight_and_eps(norm: Any) -> tuple[torch.Tensor, float]:
-    """The norm's weight and epsilon; a norm without them, or a plain (non-Gemma) norm, is refused."""
+def _arithmetic(norm: Any, eps: float, dtype: torch.dtype, device: torch.device) -> Arithmetic:
+    if norm is None:
+        return VLLM_033_GEMMA
+    return arithmetic_of(norm, eps, _offset_of(norm), dtype, device, 5)
+
+
+def _weight_and_eps(norm: Any, gemma: bool) -> tuple[torch.Tensor, float]:
+    """The norm's weight and epsilon; a norm without them, or of the other kind, is refused."""
     weight, eps = getattr(norm, "weight", None), norm_eps(norm)
     if not isinstance(weight, torch.Tensor) or eps is None:
         raise InvalidInputError(
             f"norm: {type(norm).__name__} (needs a module with a weight and variance_epsilon or eps)"
         )
-    reason = not_gemma_reason(norm)
+    reason = not_gemma_reason(norm) if gemma else not_plain_reason(norm)
     if reason is not None:
         raise InvalidInputError(reason)
     return weight, eps
@@ -257,34 +200,67 @@ def fused_allreduce_gemma_rms_norm(
     """All-reduce ``hidden_states`` over TP, add ``residual``, Gemma-RMSNorm: ``(normed, residual)``.
 
     ``norm`` is any module with a ``weight`` (the raw Gemma weight: ``1 + weight`` multiplies)
-    and ``variance_epsilon`` or ``eps``. On the fused path the new residual is written into
-    ``hidden_states``' buffer and returned (on the unfused path that buffer may hold the reduced
-    sum afterwards); ``residual`` is not modified. When no backend but the
-    reference serves the call, or it has more tokens than the budget, this runs the unfused path:
-    the all-reduce, then ``norm(reduced, residual)`` (vLLM's norms), or the same arithmetic in
-    torch for a norm that takes one argument (bitwise arnorm's contract).
+    and ``variance_epsilon`` or ``eps``. The fused path computes the module's own arithmetic (vLLM
+    0.33's ``GemmaRMSNorm`` normalizes the unrounded fp32 sum; probed once per class). On the fused
+    path the new residual is written into ``hidden_states``' buffer and returned (on the unfused
+    path that buffer may hold the reduced sum afterwards); ``residual`` is not modified. When no
+    backend but the reference serves the call, or it has more tokens than the budget, this runs the
+    unfused path: the all-reduce, then ``norm(reduced, residual)`` (vLLM's norms), or the same
+    arithmetic in torch for a norm that takes one argument.
     """
-    weight, eps = _weight_and_eps(norm)
+    weight, eps = _weight_and_eps(norm, gemma=True)
+    return _norm_call("fused_allreduce_gemma_rms_norm", hidden_states, residual, norm, weight, eps, 1.0)
+
+
+def fused_allreduce_rms_norm(
+    hidden_states: torch.Tensor, residual: torch.Tensor, norm: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.33's ``vllm.models.common.ops.fused_allreduce_rms_norm``, for its plain ``RMSNorm``.
+
+    All-reduce ``hidden_states`` (this rank's partial, from a row-parallel linear with
+    ``reduce_results=False``) over TP, add ``residual``, RMSNorm (``weight`` multiplies): returns
+    ``(normed, new_residual)``, equivalent to ``norm(all_reduce(hidden_states), residual)``, with
+    the module's own arithmetic. A Gemma norm is refused (use
+    :func:`fused_allreduce_gemma_rms_norm`); the other contracts are those of
+    :func:`fused_allreduce_gemma_rms_norm`.
+    """
+    weight, eps = _weight_and_eps(norm, gemma=False)
+    return _norm_call("fused_allreduce_rms_norm", hidden_states, residual, norm, weight, eps, 0.0)
+
+
+def _norm_call(
+    entry_point: str,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    norm: Any,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     tp = _tp()
-    reason = uncallable_reason(hidden_states, residual, weight)
+    reason = uncallable_reason(hidden_states, residual, weight) or unfusable_norm_reason(norm)
     if reason is None:
-        entry = _entry(tp, hidden_states, eps, None, None, True)
+        arith = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
+        entry = entry_for(tp, hidden_states, arith.rmsnorm(eps), None, None, True)
         op = entry.op
         if op is not None and entry.serves(hidden_states.shape[0]):
             out = op(hidden_states, residual, weight)
             return out.normed, out.residual  # type: ignore[return-value]
         reason = entry.refused
     if reason is not None:
-        warn_unfused("fused_allreduce_gemma_rms_norm", reason)
+        warn_unfused(entry_point, reason, 4)
     reduced = tp.all_reduce(hidden_states)
     if accepts_residual(norm):
         normed, new_residual = norm(reduced, residual)
-        # vLLM's fp16 Gemma norm hands back an fp32 residual; the fused path and the next call's
-        # arguments keep the caller's dtype, so the stream does not change dtype (and stop fusing).
+        # A norm that hands back another residual dtype (vLLM <= 0.2x's fp16 GemmaRMSNorm returned
+        # the fp32 sum) would change the stream's dtype, and every later call would run unfused.
         if isinstance(residual, torch.Tensor) and new_residual.dtype != residual.dtype:
             new_residual = new_residual.to(residual.dtype)
         return normed, new_residual
-    return gemma_add_norm(reduced, residual, weight, eps)
+    arith = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
+    h, y = add_rmsnorm(reduced, residual, weight, eps, offset, arith.round_before_weight,
+                       arith.normalize_unrounded)  # fmt: skip
+    return y, h
 
 
 def fused_allreduce_gemma_rms_norm_quant(
@@ -294,59 +270,65 @@ def fused_allreduce_gemma_rms_norm_quant(
     eps: float,
     scale: torch.Tensor | None,
     key: Any,
-) -> tuple[QuantizedActivation, torch.Tensor, torch.Tensor] | None:
+    *,
+    norm: Any = None,
+) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
     """All-reduce + residual add + Gemma RMSNorm + quantization: ``(quantized, normed, residual)``, or None.
 
-    ``key``: a vLLM ``QuantKey`` (static per-tensor fp8, dynamic per-token fp8, nvfp4, mxfp8) or an
-    arnorm format name. ``scale``: the fp32 dequant scale for static fp8, the global encode scale
-    (``448 * 6 / amax``) for nvfp4, ignored for the dynamic formats. ``quantized`` is an
-    :class:`arnorm.QuantizedActivation` (``data, scale, ...``; nvfp4 block scales 128x4-swizzled,
-    mxfp8 E8M0 scales row-major). Returns None, touching nothing, exactly when no fused backend
-    serves the call: only the reference would, the call has more tokens than the budget, or arnorm
-    has no format for ``key``; the caller then runs its own unfused path.
+    ``key``: a vLLM ``QuantKey`` (``kFp8StaticTensorSym``, ``kFp8DynamicTokenSym``, ``kNvfp4Dynamic``,
+    ``kMxfp8Dynamic``) or an arnorm format name. ``scale``: the fp32 dequant scale for static fp8,
+    the global encode scale (``448 * 6 / amax``) for nvfp4, ignored for the dynamic formats.
+    ``quantized`` is vLLM's own ``QuantizedActivation(data, scale, orig_dtype, orig_shape,
+    quant_key)`` (a stand-in with those fields when vllm is not importable): ``quant_key`` the
+    caller's key (vLLM's key for a format name), ``orig_dtype``/``orig_shape`` those of
+    ``hidden_states``, ``scale`` the caller's static scale for fp8_static, fp32 ``[T, 1]`` for
+    fp8_per_token, the 128x4-swizzled e4m3 block scales for nvfp4, the E8M0 scales for mxfp8
+    (128x4-swizzled and flat for a vLLM key, row-major ``[T, H/32]`` for ``"mxfp8"``).
+    ``norm``: the norm module whose arithmetic to follow; None: vLLM 0.33's ``GemmaRMSNorm``'s.
+    Returns None, touching nothing, exactly when no fused backend serves the call: only the
+    reference would, the call has more tokens than the budget, or arnorm has no format for
+    ``key``; the caller then runs its own unfused path.
     """
     quant = format_of_key(key)
     if quant is None or not isinstance(weight, torch.Tensor):
         return None
-    out = _quantized_call(
-        hidden_states,
-        residual,
-        weight,
-        float(eps),
-        scale,
-        quant,
-        True,
-        "fused_allreduce_gemma_rms_norm_quant",
-    )
+    out = _quantized_call(hidden_states, residual, weight, float(eps), scale, quant,
+                          scale_layout_for(key, quant), True, norm,
+                          "fused_allreduce_gemma_rms_norm_quant")  # fmt: skip
     if out is None:
         return None
-    return out.quant, out.normed, out.residual
+    return to_vllm(out.quant, key, quant, hidden_states, scale), out.normed, out.residual
 
 
 def allreduce_gemma_rms_norm_mxfp8(
-    hidden_states: torch.Tensor, residual: torch.Tensor, norm: Any, return_normed: bool = False
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor,
+    norm: Any,
+    return_normed: bool = False,
+    *,
+    scale_layout: str = "swizzled_128x4",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """All-reduce + add + Gemma RMSNorm + MXFP8: ``(x_q, x_scale, normed | None, residual)``, or None.
 
-    ``x_q`` is float8_e4m3fn ``[T, H]``, ``x_scale`` the E8M0 exponents (uint8 ``[T, H/32]``,
-    row-major). ``normed`` is returned only with ``return_normed=True``. None exactly when no fused
-    backend serves the call (see :func:`fused_allreduce_gemma_rms_norm_quant`).
+    ``x_q`` is float8_e4m3fn ``[T, H]``; ``x_scale`` the uint8 E8M0 exponents in the layout the
+    consumer reads: ``"swizzled_128x4"`` (default: vLLM's FlashInfer mxfp8 linears, ``kMxfp8Dynamic``),
+    flat ``[ceil(T/128)*128 * ceil(H/128)*4]`` as vLLM's ``mxfp8_e4m3_quantize`` returns it, or
+    ``"linear"``: row-major ``[T, H/32]``. ``normed`` only with ``return_normed=True``. Computed
+    wherever arnorm can: fused when a backend serves the call, otherwise the TP all-reduce then
+    arnorm's norm + mxfp8 (a single-process op, or the reference arithmetic), TP 1 included. None
+    only where no path takes the inputs (see :func:`fused_allreduce_gemma_rms_norm_quant`'s
+    warning); then nothing was touched.
     """
-    weight, eps = _weight_and_eps(norm)
-    out = _quantized_call(
-        hidden_states,
-        residual,
-        weight,
-        eps,
-        None,
-        "mxfp8",
-        bool(return_normed),
-        "allreduce_gemma_rms_norm_mxfp8",
-    )
+    if scale_layout not in ("linear", "swizzled_128x4"):
+        raise InvalidInputError(f"scale_layout: {scale_layout!r} (needs 'linear' or 'swizzled_128x4')")
+    weight, eps = _weight_and_eps(norm, gemma=True)
+    out = _quantized_call(hidden_states, residual, weight, eps, None, "mxfp8", scale_layout,
+                          bool(return_normed), norm, "allreduce_gemma_rms_norm_mxfp8",
+                          compute_unfused=True)  # fmt: skip
     if out is None:
         return None
     q = out.quant
-    return q.data, q.scale, out.normed, out.residual
+    return q.data, block_scales(q, "mxfp8"), out.normed, out.residual
 
 
 def _quantized_call(
@@ -356,24 +338,45 @@ def _quantized_call(
     eps: float,
     scale: torch.Tensor | None,
     quant: str,
+    layout: str | None,
     normed_output: bool,
+    norm: Any,
     entry_point: str,
+    compute_unfused: bool = False,
 ) -> Any:
     reason = uncallable_reason(hidden_states, residual, weight)
+    if reason is None and norm is not None:
+        reason = unfusable_norm_reason(norm)
     if reason is not None:
-        warn_unfused(entry_point, reason, 4)
+        warn_unfused(entry_point, reason, 5)
         return None
-    layout = "swizzled_128x4" if quant == "nvfp4" else None
-    entry = _entry(_tp(), hidden_states, eps, quant, layout, normed_output)
+    rmsnorm = _arithmetic(norm, eps, hidden_states.dtype, hidden_states.device).rmsnorm(eps)
+    tp = _tp()
+    entry = entry_for(tp, hidden_states, rmsnorm, quant, layout, normed_output)
     op = entry.op
     if op is None:
-        warn_unfused(entry_point, str(entry.refused), 4)
-        return None
-    if not entry.serves(hidden_states.shape[0]):
+        warn_unfused(entry_point, str(entry.refused), 5)
         return None
     if quant in ("fp8_static", "nvfp4"):
         if isinstance(scale, torch.Tensor) and scale.dim() == 0:
             scale = scale.reshape(1)  # vLLM keeps some per-tensor scales 0-d
     else:
         scale = None
-    return op(hidden_states, residual, weight, scale)
+    if entry.serves(hidden_states.shape[0]):
+        return op(hidden_states, residual, weight, scale)
+    if not compute_unfused:
+        return None
+    # The all-reduce, then arnorm's norm + quant on this rank: a single-process op where a backend
+    # serves it (triton on a GPU), else the reference arithmetic (above any op's budget, on a CPU).
+    reduced = tp.all_reduce(hidden_states)
+    if tp.world_size > 1:
+        local = entry_for(_local_tp(), reduced, rmsnorm, quant, layout, normed_output)
+        if local.op is not None and local.serves(reduced.shape[0]):
+            return local.op(reduced, residual, weight, scale)
+    from arnorm._reference import quantize_output
+    from arnorm._types import Output
+
+    h, y = add_rmsnorm(reduced, residual, weight, eps, rmsnorm.weight_offset, rmsnorm.round_before_weight,
+                       rmsnorm.normalize_unrounded)  # fmt: skip
+    q = quantize_output(y, quant, scale, layout)
+    return Output(y if normed_output else None, h, q)

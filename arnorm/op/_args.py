@@ -132,4 +132,7 @@ def build_problem(
         gfx_arch=gfx,
         round_before_weight=norm.round_before_weight,
         add_residual=bool(add_residual),
+        # With no add, or in fp32 (where rounding to the dtype is exact), the sum normalized is the
+        # same either way: one problem, one selection.
+        normalize_unrounded=norm.normalize_unrounded and bool(add_residual) and name != "float32",
     )

@@ -33,6 +33,7 @@ def fused_allreduce_norm(
     eps: float,
     weight_offset: float = 0.0,
     round_before_weight: bool = False,
+    normalize_unrounded: bool = False,
     quant: str | None = None,
     scale: torch.Tensor | None = None,
     inplace: bool = True,
@@ -40,7 +41,8 @@ def fused_allreduce_norm(
     """One-shot form of :class:`AllReduceNorm`, with the op cached per signature.
 
     ``group`` is required: a ``ProcessGroup`` or :data:`arnorm.LOCAL`. The first call for a
-    signature (group, hidden size, dtype, device, eps, offset, rounding order, quant, inplace, and
+    signature (group, hidden size, dtype, device, eps, offset, rounding order, which sum the norm
+    reads (``normalize_unrounded``, see :class:`arnorm.RMSNorm`), quant, inplace, and
     whether ``residual`` is ``None``: an op with ``add_residual=False``) builds
     an op (collective); a call with more tokens than the cached op's budget builds a larger one.
     At most :data:`CACHE_SIZE` ops are kept; the least recently used is closed when another is
@@ -57,7 +59,7 @@ def fused_allreduce_norm(
         needs = join_or(f"torch.{d}" for d in DTYPES)
         raise InvalidInputError(f"hidden_states: dtype {hidden_states.dtype} (needs {needs})")
     t, h = hidden_states.shape
-    norm = RMSNorm(eps, weight_offset, round_before_weight)
+    norm = RMSNorm(eps, weight_offset, round_before_weight, normalize_unrounded)
     add_residual = residual is not None
     key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual)
     with _cache_lock:

@@ -19,6 +19,7 @@ def arnorm_backends() -> list[BackendSpec]:
                 platforms=frozenset({"cpu", "cuda", "rocm"}),
                 quant=frozenset({"none", *QUANT_FORMATS}),
                 round_before_weight=True,
+                normalize_unrounded=True,
                 strided_rows=True,
                 residual_free=True,
             ),

@@ -34,7 +34,9 @@ class Capabilities(BaseModel):
       size always applies on top: arnorm rejects such a hidden size before any backend is asked);
       ``min_hidden``, ``max_hidden``.
     - ``weight_offsets`` (``None``: any); ``round_before_weight``: whether the backend serves
-      ``RMSNorm(round_before_weight=True)``.
+      ``RMSNorm(round_before_weight=True)``; ``normalize_unrounded``: whether it serves
+      ``RMSNorm(normalize_unrounded=True)`` (the norm reads the fp32 ``s + residual`` before it is
+      rounded to the residual's dtype).
     - ``strided_rows``: whether ``hidden_states`` / ``residual`` may be ``[T, H]`` views with
       unit column stride and a row stride above ``H`` (taken without a copy).
     - ``residual_free``: whether the backend serves ops built with ``add_residual=False``
@@ -66,6 +68,7 @@ class Capabilities(BaseModel):
     max_hidden: int | None = None
     weight_offsets: frozenset[float] | None = None
     round_before_weight: bool = False
+    normalize_unrounded: bool = False
     strided_rows: bool = False
     residual_free: bool = False
     caller_outputs: bool = False
@@ -199,5 +202,10 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
     if problem.round_before_weight and not caps.round_before_weight:
         reasons.append(
             "rounding order: round_before_weight=True (needs False: one rounding after the weight)"
+        )
+    if problem.normalize_unrounded and problem.add_residual and not caps.normalize_unrounded:
+        reasons.append(
+            "norm input: normalize_unrounded=True (needs False: this backend normalizes the "
+            "residual rounded to the dtype)"
         )
     return tuple(reasons)

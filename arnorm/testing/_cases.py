@@ -62,6 +62,8 @@ class Case:
     strided: bool = False
     #: The call passes caller-owned buffers (``out=op.empty_output(T)``, filled with NaN first).
     out: bool = False
+    #: ``RMSNorm(normalize_unrounded=True)``: the norm reads the fp32 sum before it is rounded.
+    normalize_unrounded: bool = False
 
     @property
     def id(self) -> str:
@@ -76,7 +78,8 @@ class Case:
         nonormed = "" if self.normed_output else "-no-normed-output"
         strided = "-strided" if self.strided else ""
         out = "-out" if self.out else ""
-        variant = f"{rbw}{nores}{copy}{nonormed}{strided}{out}"
+        unr = "-unrounded" if self.normalize_unrounded else ""
+        variant = f"{rbw}{unr}{nores}{copy}{nonormed}{strided}{out}"
         return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-{norm}{variant}"
 
 
@@ -139,7 +142,7 @@ def build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, 
             _group(),
             hidden_size=case.hidden,
             dtype=getattr(torch, case.dtype),
-            norm=arnorm.RMSNorm(1e-6, case.weight_offset, case.round_before_weight),
+            norm=arnorm.RMSNorm(1e-6, case.weight_offset, case.round_before_weight, case.normalize_unrounded),
             quant=case.quant,
             scale_layout=case.layout,
             max_tokens=max_tokens,
@@ -344,18 +347,23 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = 
     problems = [p for p in problems if p]
     if problems:
         return CaseResult(case, "error", error="; ".join(problems))
+    reduced = rank_order_sum(partials)
     h, y = add_rmsnorm(
-        rank_order_sum(partials),
+        reduced,
         residual_before,
         weight_before,
         1e-6,
         case.weight_offset,
         case.round_before_weight,
+        case.normalize_unrounded,
     )
     normed = None
     if case.normed_output:
         if case.round_before_weight:
-            y = nearest_two_rounding_normed(out.normed, h, weight_before, 1e-6, case.weight_offset)
+            unrounded = None
+            if case.normalize_unrounded and residual_before is not None:
+                unrounded = reduced.float() + residual_before.float()
+            y = nearest_two_rounding_normed(out.normed, h, weight_before, 1e-6, case.weight_offset, unrounded)
         normed = compare(out.normed, y)
     result = CaseResult(case, "ran", residual=compare(out.residual, h), normed=normed)
     if case.quant is None:

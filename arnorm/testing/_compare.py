@@ -48,7 +48,9 @@ def ulp_distance(a: Any, b: Any) -> int:
     return int(ulps(a, b).max()) if a.numel() else 0
 
 
-def nearest_two_rounding_normed(got: Any, h: Any, weight: Any, eps: float, weight_offset: float) -> Any:
+def nearest_two_rounding_normed(
+    got: Any, h: Any, weight: Any, eps: float, weight_offset: float, unrounded: Any = None
+) -> Any:
     """The reference ``y`` of step 3' (``round_before_weight``) nearest to ``got``, element by element.
 
     Step 3' rounds twice: ``m = D(fp32(h) * rsqrt(...))``, then ``y = D(m * (b + g))``. A kernel's
@@ -57,10 +59,11 @@ def nearest_two_rounding_normed(got: Any, h: Any, weight: Any, eps: float, weigh
     one-ulp step by ``|b + g|``, which is more than one ulp of ``y`` whenever ``|b + g| > 1``. The
     contract therefore allows ``m`` within one ulp and ``y`` within one ulp of ``D(m * (b + g))``:
     this returns, per element, whichever of the three candidates is closest to ``got``.
+    ``unrounded``: the fp32 sum the norm reads instead of ``h`` (``RMSNorm(normalize_unrounded=True)``).
     """
     import torch
 
-    hf = h.float()
+    hf = h.float() if unrounded is None else unrounded.float()
     m = (hf * torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps)).to(h.dtype)
     w = weight.float() + weight_offset
     best = (m.float() * w).to(h.dtype)

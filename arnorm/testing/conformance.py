@@ -152,9 +152,9 @@ class ConformanceSuite:
     @classmethod
     def cases(cls) -> list[Case]:
         """Every declared (dtype, format, layout), at each shape; the norms rotate through the
-        declared weight offsets, with ``round_before_weight`` and ``add_residual=False`` where the
-        backend declares them. Then a few cases of the op's other build options and call layouts
-        (:meth:`_variant_cases`)."""
+        declared weight offsets, with ``round_before_weight``, ``normalize_unrounded`` and
+        ``add_residual=False`` where the backend declares them. Then a few cases of the op's other
+        build options and call layouts (:meth:`_variant_cases`)."""
         caps = cls.spec().capabilities
         from arnorm.plugin import format_spec
 
@@ -179,8 +179,10 @@ class ConformanceSuite:
                             continue
                         rbw = caps.round_before_weight and i % 3 == 2
                         nores = caps.residual_free and i % 4 == 1
+                        unrounded = caps.normalize_unrounded and i % 2 == 0
                         offset = float(offsets[i % len(offsets)])
-                        out.append(Case(t, hidden, dtype, q, layout, offset, rbw, not nores))
+                        case = Case(t, hidden, dtype, q, layout, offset, rbw, not nores)
+                        out.append(dataclasses.replace(case, normalize_unrounded=unrounded))
         return out + cls._variant_cases(combos, float(offsets[0]))
 
     @classmethod

@@ -95,6 +95,7 @@ class TritonSymmBackend:
             eps=problem.eps,
             weight_offset=problem.weight_offset,
             round_before_weight=problem.round_before_weight,
+            normalize_unrounded=problem.normalize_unrounded,
             # Integer-bit casts only in the interpreter (the CPU protocol tests drive this class).
             soft=INTERPRETED,
             soft_fp8=_soft_fp8(problem) or INTERPRETED,

@@ -55,6 +55,7 @@ class SymmLauncher:
         weight_offset: float,
         round_before_weight: bool,
         soft: bool,
+        normalize_unrounded: bool = False,
         soft_fp8: bool,
         sync: bool = True,
         spin_limit: int = 0,
@@ -86,6 +87,7 @@ class SymmLauncher:
             "SLOTS": lay.slots,
             "SYNC": sync,
             "USE_PDL": pdl and sync,
+            "NORMALIZE_UNROUNDED": normalize_unrounded,
         }
         names = S.symm_allreduce_norm_kernel.arg_names
         #: Every constexpr in signature order, ``STAGE=0`` included (the direct launch's tail).

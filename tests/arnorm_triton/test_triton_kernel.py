@@ -160,6 +160,30 @@ def test_round_before_weight(variant, dtype):
     assert (out.normed == y_ref).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("rbw", [False, True], ids=["once", "rbw"])
+@pytest.mark.parametrize("variant", [(None, None), ("fp8_static", None)], ids=variant_id)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).removeprefix("torch.")
+)
+def test_normalize_unrounded(variant, dtype, rbw):
+    """RMSNorm(normalize_unrounded=True): the norm reads the fp32 s + residual (vLLM 0.33's
+    fused_add_rms_norm), the residual is still the rounded sum; within 1 ulp of the reference
+    (bitwise on most elements), and measurably not the rounded-sum arithmetic."""
+    quant, layout = variant
+    partials, residual, weight = make_inputs(4, 256, dtype, weight_offset=1.0, device=DEVICE)
+    s = partials[0]
+    _, y_ref = add_rmsnorm(s, residual, weight, 1e-6, 1.0, rbw, normalize_unrounded=True)
+    scale = make_scale(quant, y_ref)
+    problem = make_problem(256, dtype, quant, layout, weight_offset=1.0, round_before_weight=rbw,
+                           normalize_unrounded=True, device=DEVICE)  # fmt: skip
+    out = make_backend(problem)(s.clone(), residual, weight, scale)
+    check_output(out, s, residual, weight, problem, scale)
+    _, y_rounded = add_rmsnorm(s, residual, weight, 1e-6, 1.0, rbw, normalize_unrounded=False)
+    assert not torch.equal(y_rounded, y_ref), "the two sums must differ on these inputs for the test to bite"
+    assert (out.normed == y_ref).float().mean() > 0.99
+    assert (out.normed != y_rounded).any()
+
+
 @pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "out_of_place"])
 @pytest.mark.parametrize("variant", [(None, None), ("mxfp8", "swizzled_128x4")], ids=variant_id)
 def test_strided_rows(variant, inplace):

@@ -48,6 +48,7 @@ def make_problem(
     device: torch.device | str = "cpu",
     eps: float = 1e-6,
     round_before_weight: bool = False,
+    normalize_unrounded: bool = False,
 ) -> Problem:
     device = torch.device(device)
     platform, arch = platform_of(device)
@@ -66,6 +67,7 @@ def make_problem(
         platform=platform,
         arch=arch,
         round_before_weight=round_before_weight,
+        normalize_unrounded=normalize_unrounded,
     )
 
 
@@ -143,11 +145,15 @@ def check_output(out, s: torch.Tensor, residual, weight, problem: Problem, scale
     """The contract given the backend's reduced sum ``s``: residual bitwise, normed close, quant
     bitwise equal to arnorm.quant.quantize of the kernel's own normed values."""
     h_ref, y_ref = add_rmsnorm(
-        s, residual, weight, problem.eps, problem.weight_offset, problem.round_before_weight
-    )
+        s, residual, weight, problem.eps, problem.weight_offset, problem.round_before_weight,
+        problem.normalize_unrounded,
+    )  # fmt: skip
     assert_bitwise(out.residual, h_ref, "residual")
     if problem.normed_output and problem.round_before_weight:
-        y_ref = nearest_two_rounding_normed(out.normed, h_ref, weight, problem.eps, problem.weight_offset)
+        unrounded = s.float() + residual.float() if problem.normalize_unrounded else None
+        y_ref = nearest_two_rounding_normed(
+            out.normed, h_ref, weight, problem.eps, problem.weight_offset, unrounded
+        )
     if problem.normed_output:
         assert_normed_close(out.normed, y_ref)
     else:

@@ -41,7 +41,8 @@ class FusedTestBackend:
     def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any) -> Output:
         p = self.problem
         s = rank_order_sum(self.comm.all_gather(hidden_states))
-        h, y = add_rmsnorm(s, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
+        h, y = add_rmsnorm(s, residual, weight, p.eps, p.weight_offset, p.round_before_weight,
+                           getattr(p, "normalize_unrounded", False))  # fmt: skip
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)
@@ -55,7 +56,12 @@ def install_registry() -> None:
     """Make the reference and the fused test backend the only registered backends of this process."""
     from arnorm.registry._discovery import Registry, reset_registry
 
-    caps = Capabilities(platforms=frozenset({"cpu", "cuda"}), quant=ALL_QUANT, round_before_weight=True)
+    caps = Capabilities(
+        platforms=frozenset({"cpu", "cuda"}),
+        quant=ALL_QUANT,
+        round_before_weight=True,
+        normalize_unrounded=True,
+    )
     reg = Registry()
     reg.add(
         BackendSpec(
@@ -118,8 +124,8 @@ class HFGemmaNorm(torch.nn.Module):
         self.eps = eps
 
 
-class VllmGemmaNorm(torch.nn.Module):
-    """A vLLM style Gemma norm: ``variance_epsilon`` and ``forward_native(x, residual)``; counts calls."""
+class _VllmNorm(torch.nn.Module):
+    """A vLLM style norm: ``weight``, ``variance_epsilon`` and ``forward_native(x, residual)``."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
@@ -127,22 +133,53 @@ class VllmGemmaNorm(torch.nn.Module):
         self.variance_epsilon = eps
         self.calls = 0
 
-    #: True: an fp16 residual add in fp32, the fp32 sum returned, as vLLM's GemmaRMSNorm does.
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward_native(*args, **kwargs)
+
+
+class VllmGemmaNorm(_VllmNorm):
+    """A vLLM style Gemma norm; counts calls.
+
+    By default vLLM 0.33's arithmetic (``ir.ops.fused_add_rms_norm``): the add in fp32, the rounded
+    sum returned as the residual, the statistic and the scaled value over the unrounded fp32 sum."""
+
+    #: False: the add rounded to the dtype first and normalized, as vLLM <= 0.17's GemmaRMSNorm.
+    unrounded = True
+    #: True: an fp16 residual add in fp32, the fp32 sum returned, as older vLLM's GemmaRMSNorm did.
     fp32_residual_in_fp16 = False
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         self.calls += 1
-        if residual is not None and self.fp32_residual_in_fp16 and x.dtype == torch.float16:
-            h = x.float() + residual.float()
+        if residual is None:
+            h = hf = x.float()
         else:
-            h = x if residual is None else x + residual
-        hf = h.float()
+            hf = x.float() + residual.float()
+            h = hf if self.fp32_residual_in_fp16 and x.dtype == torch.float16 else hf.to(x.dtype)
+            if not self.unrounded:
+                hf = h.float()
         y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         y = (y * (1.0 + self.weight.float())).to(x.dtype)
         return y if residual is None else (y, h)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward_native(*args, **kwargs)
+
+class OldVllmGemmaNorm(VllmGemmaNorm):
+    """vLLM <= 0.17's GemmaRMSNorm: the sum rounded to the dtype, then normalized."""
+
+    unrounded = False
+
+
+class VllmPlainNorm(_VllmNorm):
+    """vLLM 0.33's plain ``RMSNorm`` on CPU: the same sum, then ``D(D(x * rsqrt) * weight)``."""
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        self.calls += 1
+        hf = x.float() + residual.float()
+        h = hf.to(x.dtype)
+        n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (n.to(x.dtype) * self.weight).to(x.dtype), h
+
+
+VllmPlainNorm.__name__ = VllmPlainNorm.__qualname__ = "RMSNorm"
 
 
 class Coordinator:

@@ -36,12 +36,17 @@ def inputs(rank: int, world: int, tokens: int, dtype: torch.dtype, seed: int) ->
     return parts[rank], residual, weight
 
 
-def unfused(hidden_states: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[Any, Any]:
-    """The seeds' unfused path written plainly: all_reduce, then GemmaRMSNorm(x, residual)."""
+def unfused(
+    hidden_states: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, unrounded: bool = False
+) -> tuple[Any, Any]:
+    """The seeds' unfused path written plainly: all_reduce, then GemmaRMSNorm(x, residual); with
+    ``unrounded``, vLLM 0.33's norm (the statistic and the scaled value over the fp32 sum)."""
     x = hidden_states.clone()
     dist.all_reduce(x)
-    h = x + residual
-    hf = h.float()
+    hf = x.float() + residual.float()
+    h = hf.to(x.dtype)
+    if not unrounded:
+        hf = h.float()
     y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 + weight.float())
     return y.to(x.dtype), h
 
@@ -58,8 +63,11 @@ def check_gemma_norm(rank: int, world: int, dtype: torch.dtype, seed: int) -> li
     paths = []
     for tokens in (*SERVED, REFERENCE_ONLY, OVER_BUDGET):
         x, residual, weight = inputs(rank, world, tokens, dtype, seed)
-        for norm in (integ_fakes.HFGemmaNorm(weight, EPS), integ_fakes.VllmGemmaNorm(weight, EPS)):
-            want_y, want_h = unfused(x, residual, weight)
+        norms = (integ_fakes.HFGemmaNorm(weight, EPS), integ_fakes.VllmGemmaNorm(weight, EPS),
+                 integ_fakes.OldVllmGemmaNorm(weight, EPS))  # fmt: skip
+        for norm in norms:
+            # Each norm's own arithmetic, on both paths: vLLM 0.33's normalizes the unrounded sum.
+            want_y, want_h = unfused(x, residual, weight, unrounded=getattr(norm, "unrounded", False))
             hs, res_before = x.clone(), residual.clone()
             normed, new_residual = av.fused_allreduce_gemma_rms_norm(hs, residual, norm)
             _same(normed, want_y, f"T={tokens} normed")
@@ -70,9 +78,27 @@ def check_gemma_norm(rank: int, world: int, dtype: torch.dtype, seed: int) -> li
             if isinstance(norm, integ_fakes.VllmGemmaNorm):
                 assert norm.calls == (0 if fused else 1), f"T={tokens}: vLLM norm ran {norm.calls}x"
         paths.append(f"{tokens}:{'fused' if fused else 'unfused'}")
-    op = av.op_for(HIDDEN, dtype, EPS)
+    op = av.op_for(HIDDEN, dtype, EPS, norm=integ_fakes.VllmGemmaNorm(weight, EPS))
     assert op is not None and op.backend_for(5) == "fused" and op.backend_for(REFERENCE_ONLY) == "reference"
+    assert op.problem.normalize_unrounded or dtype == torch.float32
     return paths
+
+
+def check_plain_norm(rank: int, world: int, dtype: torch.dtype, seed: int) -> None:
+    """fused_allreduce_rms_norm (vLLM 0.33's plain helper): bitwise vLLM's CPU RMSNorm after the
+    all-reduce at every token count, fused where the fused backend serves."""
+    for tokens in (*SERVED, REFERENCE_ONLY, OVER_BUDGET):
+        x, residual, weight = inputs(rank, world, tokens, dtype, seed)
+        weight = (weight.float() + 1.0).to(dtype)
+        norm = integ_fakes.VllmPlainNorm(weight, EPS)
+        reduced = x.clone()
+        dist.all_reduce(reduced)
+        want_y, want_h = integ_fakes.VllmPlainNorm(weight, EPS).forward_native(reduced, residual)
+        hs = x.clone()
+        normed, new_residual = av.fused_allreduce_rms_norm(hs, residual, norm)
+        _same(normed, want_y, f"plain T={tokens} normed")
+        _same(new_residual, want_h, f"plain T={tokens} residual")
+        assert norm.calls == (0 if tokens in SERVED else 1), f"plain T={tokens}: module ran {norm.calls}x"
 
 
 def check_quant(rank: int, world: int, dtype: torch.dtype, seed: int) -> list[str]:
@@ -84,21 +110,30 @@ def check_quant(rank: int, world: int, dtype: torch.dtype, seed: int) -> list[st
         for key_form in (key, fmt):
             x, residual, weight = inputs(rank, world, 8, dtype, seed)
             scale = {"fp8_static": torch.tensor([0.02]), "nvfp4": torch.tensor([448 * 6 / 3.0])}.get(fmt)
-            want_y, want_h = unfused(x, residual, weight)
-            got = av.fused_allreduce_gemma_rms_norm_quant(x.clone(), residual, weight, EPS, scale, key_form)
+            # No norm module: vLLM 0.33's GemmaRMSNorm arithmetic (the unrounded sum).
+            want_y, want_h = unfused(x, residual, weight, unrounded=True)
+            hs = x.clone()
+            got = av.fused_allreduce_gemma_rms_norm_quant(hs, residual, weight, EPS, scale, key_form)
             assert got is not None, f"{fmt}: None at a served token count"
             q, normed, new_residual = got
             _same(normed, want_y, f"{fmt} normed")
             _same(new_residual, want_h, f"{fmt} residual")
-            layout = "swizzled_128x4" if fmt == "nvfp4" else None
+            # vLLM's fields: the caller's key, the input's dtype and shape; nvfp4 and a vLLM mxfp8
+            # key: 128x4-swizzled scales (mxfp8 flat, as vLLM's mxfp8_e4m3_quantize); "mxfp8": row-major.
+            assert type(q).__name__ == "QuantizedActivation" or type(q).__name__.endswith("StandIn")
+            assert q.quant_key is key_form and q.orig_dtype == dtype and q.orig_shape == hs.shape
+            layout = "swizzled_128x4" if fmt == "nvfp4" or (fmt == "mxfp8" and key_form is key) else None
             want_q = quantize(want_y, fmt, scale=scale, layout=layout)
             _same(q.data, want_q.data, f"{fmt} codes")
-            _same(q.scale, want_q.scale, f"{fmt} scales")
-            assert q.layout == want_q.layout, f"{fmt}: layout {q.layout}"
-        if fmt == "fp8_static":  # vLLM keeps some per-tensor scales 0-d
+            want_scale = scale if fmt == "fp8_static" else want_q.scale
+            if fmt == "mxfp8" and layout is not None:
+                want_scale = want_scale.reshape(-1)
+            _same(q.scale, want_scale, f"{fmt} scales")
+        if fmt == "fp8_static":  # the caller's static scale itself, 0-d as vLLM keeps some
             x, residual, weight = inputs(rank, world, 8, dtype, seed)
-            got = av.fused_allreduce_gemma_rms_norm_quant(x, residual, weight, EPS, torch.tensor(0.02), key)
-            assert got is not None and got[0].scale.shape == (1,), "0-d static scale"
+            static = torch.tensor(0.02)
+            got = av.fused_allreduce_gemma_rms_norm_quant(x, residual, weight, EPS, static, key)
+            assert got is not None and got[0].scale is static, "the caller's static scale"
         for tokens in (REFERENCE_ONLY, OVER_BUDGET):
             x, residual, weight = inputs(rank, world, tokens, dtype, seed)
             hs = x.clone()
@@ -115,24 +150,27 @@ def check_quant(rank: int, world: int, dtype: torch.dtype, seed: int) -> list[st
 
 
 def check_mxfp8(rank: int, world: int, dtype: torch.dtype, seed: int) -> None:
-    """allreduce_gemma_rms_norm_mxfp8: (x_q, x_scale, normed | None, residual), None where unserved."""
-    x, residual, weight = inputs(rank, world, 8, dtype, seed)
-    norm = integ_fakes.HFGemmaNorm(weight, EPS)
-    want_y, want_h = unfused(x, residual, weight)
-    want_q = quantize(want_y, "mxfp8")
-    for return_normed in (False, True):
-        got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, return_normed=return_normed)
-        assert got is not None, "mxfp8: None at a served token count"
-        x_q, x_scale, normed, new_residual = got
-        _same(x_q, want_q.data, "mxfp8 codes")
-        _same(x_scale, want_q.scale, "mxfp8 scales")
-        _same(new_residual, want_h, "mxfp8 residual")
-        if return_normed:
-            _same(normed, want_y, "mxfp8 normed")
-        else:
-            assert normed is None, "normed returned without return_normed"
-    x, residual, weight = inputs(rank, world, REFERENCE_ONLY, dtype, seed)
-    assert av.allreduce_gemma_rms_norm_mxfp8(x, residual, norm) is None, "mxfp8: reference-only not None"
+    """allreduce_gemma_rms_norm_mxfp8: (x_q, x_scale, normed | None, residual) wherever arnorm can
+    compute it: fused where served, else the all-reduce then arnorm's norm + mxfp8 (not None);
+    scales 128x4-swizzled (flat) by default, row-major on request."""
+    for tokens in (8, REFERENCE_ONLY, OVER_BUDGET):
+        x, residual, weight = inputs(rank, world, tokens, dtype, seed)
+        for norm in (integ_fakes.HFGemmaNorm(weight, EPS), integ_fakes.VllmGemmaNorm(weight, EPS)):
+            want_y, want_h = unfused(x, residual, weight, unrounded=getattr(norm, "unrounded", False))
+            for return_normed, layout in ((False, "swizzled_128x4"), (True, "linear")):
+                want_q = quantize(want_y, "mxfp8", layout=layout)
+                got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, return_normed,
+                                                        scale_layout=layout)  # fmt: skip
+                assert got is not None, f"mxfp8 T={tokens}: None"
+                x_q, x_scale, normed, new_residual = got
+                _same(x_q, want_q.data, "mxfp8 codes")
+                want_scale = want_q.scale.reshape(-1) if layout == "swizzled_128x4" else want_q.scale
+                _same(x_scale, want_scale, f"mxfp8 {layout} scales")
+                _same(new_residual, want_h, "mxfp8 residual")
+                if return_normed:
+                    _same(normed, want_y, "mxfp8 normed")
+                else:
+                    assert normed is None, "normed returned without return_normed"
 
 
 def check_tp1(dtype: torch.dtype) -> None:
@@ -161,6 +199,7 @@ def entry_points(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
     paths = check_gemma_norm(rank, world, dtype, seed=1)
     formats = check_quant(rank, world, dtype, seed=2)
     check_mxfp8(rank, world, dtype, seed=3)
+    check_plain_norm(rank, world, dtype, seed=5)
     check_tp1(dtype)
 
     # vllm importable: its TP group and CPU group, its all_reduce for the unfused path.
@@ -170,8 +209,9 @@ def entry_points(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
     av.configure()
     check_gemma_norm(rank, world, dtype, seed=4)
     op = av.op_for(HIDDEN, dtype, EPS)
+    assert op is not None and op.problem.normalize_unrounded == (dtype != torch.float32)
     assert op is not None and op._comm.group is dist.group.WORLD and op._comm.cpu_group is dist.group.WORLD
-    # Two norms x (reference-only + over-budget counts) took the unfused path through vLLM's all_reduce.
-    assert coordinator.all_reduces == 4, coordinator.all_reduces
+    # Three norms x (reference-only + over-budget counts) took the unfused path through vLLM's all_reduce.
+    assert coordinator.all_reduces == 6, coordinator.all_reduces
     av.close()
     return {"paths": paths, "formats": formats}

@@ -163,7 +163,13 @@ def test_the_residual_keeps_its_dtype_on_both_paths(dtype):
     norm.fp32_residual_in_fp16 = True
     over = integ_fakes.FUSED_LIMIT + 4  # only the reference serves it: the unfused path
     x, residual = (torch.randn(over, 16, generator=g).to(dtype) for _ in range(2))
-    normed, new_residual = av.fused_allreduce_gemma_rms_norm(x.clone(), residual, norm)
+    if dtype == torch.float16:
+        with pytest.warns(
+            arnorm.ArnormWarning, match=r"residual comes back torch.float32, not torch.float16"
+        ):
+            normed, new_residual = av.fused_allreduce_gemma_rms_norm(x.clone(), residual, norm)
+    else:
+        normed, new_residual = av.fused_allreduce_gemma_rms_norm(x.clone(), residual, norm)
     want_normed, want_residual = norm.forward_native(x, residual)
     assert norm.calls == 2 and torch.equal(normed, want_normed)
     assert new_residual.dtype == dtype and torch.equal(new_residual, want_residual.to(dtype))
@@ -227,3 +233,125 @@ def test_warmup_builds_the_op_calls_use():
     assert av.op_for(32, torch.float32, 1e-6, key="int8") is None
     av.configure(group=arnorm.LOCAL)
     assert not av._ops and op._closed
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "cls", [integ_fakes.VllmGemmaNorm, integ_fakes.OldVllmGemmaNorm], ids=["v033", "old"]
+)
+def test_fused_path_follows_the_norms_arithmetic(cls, dtype):
+    """Issue 35: with a fused backend serving, the drop-in computes the arithmetic of the norm it is
+    handed (vLLM 0.33's GemmaRMSNorm normalizes the unrounded fp32 sum; older vLLM the rounded one):
+    bitwise that module's own output below and above the fused backend's limit, so a step's result
+    does not depend on whether its batch was fused."""
+    av.configure(group=arnorm.LOCAL, max_tokens=64)
+    g = torch.Generator().manual_seed(11)
+    norm = cls((torch.randn(256, generator=g) * 0.3).to(dtype), 1e-6)
+    for tokens in (4, integ_fakes.FUSED_LIMIT + 4):
+        x = (torch.randn(tokens, 256, generator=g) * 3).to(dtype)
+        residual = torch.randn(tokens, 256, generator=g).to(dtype)
+        calls = norm.calls
+        want_y, want_h = norm.forward_native(x, residual)
+        normed, new_residual = av.fused_allreduce_gemma_rms_norm(x.clone(), residual, norm)
+        assert _bitwise(new_residual, want_h) and _bitwise(normed, want_y), (cls.__name__, tokens)
+        fused = tokens <= integ_fakes.FUSED_LIMIT
+        assert norm.calls == calls + (1 if fused else 2), "the fused path must not run the module"
+    op = av.op_for(256, dtype, 1e-6, device="cpu", norm=norm)
+    assert op.problem.normalize_unrounded == cls.unrounded
+
+
+def test_a_norm_no_arithmetic_matches_is_said_once():
+    """A norm whose arithmetic arnorm cannot reproduce: one ArnormWarning naming what differs."""
+
+    class ScaledGemmaRMSNorm(integ_fakes.VllmGemmaNorm):
+        def forward_native(self, x, residual=None):
+            y, h = super().forward_native(x, residual)
+            return (y.float() * 1.5).to(x.dtype), h
+
+    av.configure(group=arnorm.LOCAL, max_tokens=64)
+    norm = ScaledGemmaRMSNorm(torch.zeros(64, dtype=torch.bfloat16), 1e-6)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with pytest.warns(
+        arnorm.ArnormWarning,
+        match=r"cannot match ScaledGemmaRMSNorm \(torch.bfloat16\) bit for bit: \d+ of \d+ normed values",
+    ):
+        av.fused_allreduce_gemma_rms_norm(x.clone(), x.clone(), norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        av.fused_allreduce_gemma_rms_norm(x.clone(), x.clone(), norm)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_allreduce_rms_norm_for_vllms_plain_norm(dtype):
+    """vLLM 0.33's plain helper: (normed, residual) bitwise vLLM's RMSNorm (unrounded sum, rounded
+    before the weight), fused and unfused; a Gemma norm is refused; var_hidden_size runs unfused."""
+    av.configure(group=arnorm.LOCAL, max_tokens=64)
+    g = torch.Generator().manual_seed(13)
+    norm = integ_fakes.VllmPlainNorm((torch.randn(128, generator=g) * 0.3 + 1).to(dtype), 1e-6)
+    for tokens in (3, integ_fakes.FUSED_LIMIT + 1):
+        x, residual = ((torch.randn(tokens, 128, generator=g) * 2).to(dtype) for _ in range(2))
+        want_y, want_h = integ_fakes.VllmPlainNorm(norm.weight.data, 1e-6).forward_native(x, residual)
+        normed, new_residual = av.fused_allreduce_rms_norm(x.clone(), residual, norm)
+        assert _bitwise(normed, want_y) and _bitwise(new_residual, want_h), tokens
+    assert norm.calls == 1  # the over-limit call only
+    problem = av.op_for(128, dtype, 1e-6, device="cpu", norm=norm).problem
+    assert (problem.weight_offset, problem.round_before_weight, problem.normalize_unrounded) == (
+        0.0,
+        True,
+        True,
+    )
+    with pytest.raises(arnorm.InvalidInputError, match=r"^norm: VllmGemmaNorm, a Gemma norm that multiplies"):
+        av.fused_allreduce_rms_norm(x, residual, integ_fakes.VllmGemmaNorm(norm.weight.data, 1e-6))
+    norm.variance_size_override = 64
+    with pytest.warns(
+        arnorm.ArnormWarning,
+        match=r"rms_norm: ran unfused: norm: RMSNorm with the statistic over the first 64",
+    ):
+        av.fused_allreduce_rms_norm(x[:2].clone(), residual[:2], norm)
+
+
+def test_quant_entry_returns_vllms_quantized_activation_fields():
+    """Issue 35: the quant entry point returns vLLM's QuantizedActivation (here, without vllm, the
+    stand-in of the same fields): data, scale, orig_dtype, orig_shape, quant_key."""
+    from arnorm.integrations import _vllm_types
+
+    av.configure(group=arnorm.LOCAL, max_tokens=64)
+    x, residual = torch.randn(4, 64).to(torch.bfloat16), torch.randn(4, 64).to(torch.bfloat16)
+    weight = torch.zeros(64, dtype=torch.bfloat16)
+    scale = torch.tensor(0.05)
+    key = integ_fakes.KEYS["fp8_static"]
+    q, _, _ = av.fused_allreduce_gemma_rms_norm_quant(x, residual, weight, 1e-6, scale, key)
+    assert type(q).__name__ in ("QuantizedActivation", "QuantizedActivationStandIn")
+    if _vllm_types._vllm() is None:
+        assert isinstance(q, _vllm_types.QuantizedActivationStandIn)
+    assert q.quant_key is key and q.scale is scale
+    assert q.orig_dtype == torch.bfloat16 and q.orig_shape == torch.Size([4, 64])
+    assert q.data.dtype == torch.float8_e4m3fn and q.data.shape == (4, 64)
+
+
+def test_mxfp8_computes_where_no_fused_backend_serves():
+    """Issue 35: allreduce_gemma_rms_norm_mxfp8 returns a result wherever arnorm can compute one (here
+    above the fused backend's limit, at TP 1), with 128x4-swizzled scales by default (what vLLM's
+    FlashInfer mxfp8 linears read), row-major on request; None only where no path takes the inputs."""
+    from arnorm.quant import quantize
+
+    av.configure(group=arnorm.LOCAL, max_tokens=64)
+    g = torch.Generator().manual_seed(17)
+    tokens = integ_fakes.FUSED_LIMIT + 3
+    x, residual = (torch.randn(tokens, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    norm = integ_fakes.VllmGemmaNorm((torch.randn(64, generator=g) * 0.2).to(torch.bfloat16), 1e-6)
+    want_y, want_h = norm.forward_native(x, residual)
+    got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, True)
+    assert got is not None
+    x_q, x_scale, normed, new_residual = got
+    want = quantize(want_y, "mxfp8", layout="swizzled_128x4")
+    assert _bitwise(x_q, want.data) and _bitwise(x_scale, want.scale.reshape(-1)) and x_scale.dim() == 1
+    assert _bitwise(normed, want_y) and _bitwise(new_residual, want_h)
+    linear = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, scale_layout="linear")
+    assert linear is not None and _bitwise(linear[1], quantize(want_y, "mxfp8").scale)
+    with pytest.raises(arnorm.InvalidInputError, match=r"^scale_layout: 'rows' \(needs 'linear' or"):
+        av.allreduce_gemma_rms_norm_mxfp8(x, residual, norm, scale_layout="rows")

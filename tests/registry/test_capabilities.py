@@ -74,6 +74,33 @@ def test_each_aspect_has_its_reason():
         assert reason in check_capabilities(FI, p), (reason, check_capabilities(FI, p))
 
 
+def test_normalize_unrounded_is_declared_or_rejected():
+    """RMSNorm(normalize_unrounded=True) is served only by a backend that declares it; the reason
+    names the setting and the arithmetic the backend has instead."""
+    p = problem(normalize_unrounded=True)
+    (reason,) = check_capabilities(FI, p)
+    assert reason.startswith("norm input: normalize_unrounded=True (needs False")
+    assert GRAMMAR.match(reason)
+    assert check_capabilities(FI.model_copy(update={"normalize_unrounded": True}), p) == ()
+    # With no residual add the two arithmetics are one: nothing to reject.
+    assert check_capabilities(FI, problem(normalize_unrounded=True, add_residual=False)) == ()
+
+
+def test_builtin_declarations_of_normalize_unrounded():
+    """reference, triton and triton_symm normalize the unrounded sum; FlashInfer's fused kernel and
+    AITER's backend (its 2-stage and fp8 paths read the rounded sum) do not declare it."""
+    from arnorm.registry._builtin import arnorm_backends
+    from arnorm_aiter._plugin import CAPABILITIES as AITER
+    from arnorm_flashinfer._plugin import CAPABILITIES as FLASHINFER
+    from arnorm_triton._plugin import CAPABILITIES as TRITON
+    from arnorm_triton.symm._plugin import CAPABILITIES as SYMM
+
+    (reference,) = arnorm_backends()
+    assert reference.capabilities.normalize_unrounded
+    assert TRITON.normalize_unrounded and SYMM.normalize_unrounded
+    assert not FLASHINFER.normalize_unrounded and not AITER.normalize_unrounded
+
+
 @given(
     ws=st.integers(1, 64),
     h=st.integers(1, 40000),

@@ -98,6 +98,23 @@ def test_zero_copy_input_and_round_before_weight(two_shot):
         assert out.residual.data_ptr() != ws.inputs(5).data_ptr()
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_normalize_unrounded(kind):
+    """RMSNorm(normalize_unrounded=True) (vLLM 0.33's arithmetic) on every protocol: the norm reads
+    the fp32 s + residual, the residual is the rounded sum, every rank agrees."""
+    parts, res, w = _inputs(2, 5, dtype=torch.float16, offset=1.0, seed=7)
+    problem = make_problem(H, torch.float16, "fp8_static", world_size=2, device=DEVICE, weight_offset=1.0,
+                           normalize_unrounded=True)  # fmt: skip
+    s = rank_order_sum(parts)
+    _, y_ref = add_rmsnorm(s, res, w, 1e-6, 1.0, normalize_unrounded=True)
+    scale = make_scale("fp8_static", y_ref)
+    outs, _ = emulate_call(parts, res, w, scale, quant="fp8_static", weight_offset=1.0,
+                           normalize_unrounded=True, slots=2, **KINDS[kind])  # fmt: skip
+    _check_all_ranks(outs, parts, res, w, problem, scale)
+    _, y_rounded = add_rmsnorm(s, res, w, 1e-6, 1.0)
+    assert (outs[0].normed != y_rounded).any(), "the kernel must read the unrounded sum"
+
+
 def test_reused_workspace_across_token_counts_and_kinds():
     """One set of workspaces serves calls of different T, one-shot and two-shot in turn: rows map
     to programs the same way whatever T is, and stale rows of a longer call never leak in."""

@@ -1,0 +1,135 @@
+"""The ops the vLLM entry points run on: built lazily, one per configuration, shared by every layer.
+
+The settings :func:`arnorm.integrations.vllm.configure` sets, the cache of ops, and where the TP
+group comes from (configure(), or vLLM's parallel state looked up at each call).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from arnorm._errors import InvalidInputError, NoEligibleBackendError
+from arnorm._types import LOCAL, RMSNorm
+from arnorm.integrations._vllm_groups import Tp, explicit_tp, vllm_coordinator, vllm_tp
+from arnorm.op._op import AllReduceNorm
+
+__all__ = ["DEFAULT_MAX_TOKENS", "close", "entry", "local_tp", "lock", "ops", "settings", "tp"]
+
+#: Token budget of the ops when neither configure() nor vLLM's scheduler says otherwise.
+DEFAULT_MAX_TOKENS = 8192
+
+
+@dataclass
+class _Settings:
+    group: Any = None  # None: vLLM's
+    cpu_group: Any = None
+    max_tokens: int | None = None
+    backend: str | Sequence[str] | None = None
+    explicit: Tp | None = None
+    from_vllm: Tp | None = None
+
+
+@dataclass
+class _Entry:
+    op: AllReduceNorm | None  # None: the op refused this configuration, for ``refused``
+    served: dict[int, bool] = field(default_factory=dict)
+    refused: str | None = None
+
+    def serves(self, num_tokens: int) -> bool:
+        """A backend other than the reference serves ``num_tokens`` (cached per count)."""
+        known = self.served.get(num_tokens)
+        if known is None:
+            if self.op is None:
+                return False
+            try:
+                known = self.op.backend_for(num_tokens) != "reference"
+            except (InvalidInputError, NoEligibleBackendError):  # above the budget, or nothing serves it
+                known = False
+            self.served[num_tokens] = known
+        return known
+
+
+settings = _Settings()
+ops: dict[tuple[Any, ...], _Entry] = {}
+lock = threading.RLock()
+
+
+def close() -> None:
+    """Close every op built so far (local; the next call builds them again, collectively)."""
+    with lock:
+        entries = list(ops.values())
+        ops.clear()
+    for e in entries:
+        if e.op is not None:
+            e.op.close()
+
+
+def tp() -> Tp:
+    """The TP group calls run on: configure()'s, else vLLM's (the ops of an earlier vLLM group are
+    closed when it changes)."""
+    if settings.explicit is not None:
+        return settings.explicit
+    coordinator = vllm_coordinator()
+    cached = settings.from_vllm
+    if cached is not None and cached.source is coordinator:
+        return cached
+    with lock:
+        close()  # ops of an earlier vLLM group
+        settings.from_vllm = vllm_tp(coordinator)
+    return settings.from_vllm
+
+
+_local: list[Tp] = []
+
+
+def local_tp() -> Tp:
+    """The single-process group the mxfp8 fallback normalizes on after its all-reduce."""
+    if not _local:
+        _local.append(explicit_tp(LOCAL, None))
+    return _local[0]
+
+
+def entry(
+    tp: Tp,
+    hidden_states: torch.Tensor,
+    norm: RMSNorm,
+    quant: str | None,
+    layout: str | None,
+    normed_output: bool,
+) -> _Entry:
+    """The op for this configuration, built now if needed (collective: every TP rank makes the same
+    first call), or the reason no op takes it (kept, so not rebuilt)."""
+    key = (id(tp), hidden_states.shape[1], hidden_states.dtype, hidden_states.device, norm, quant, layout,
+           normed_output)  # fmt: skip
+    entry = ops.get(key)
+    if entry is not None:
+        return entry
+    with lock:
+        entry = ops.get(key)
+        if entry is None:
+            try:
+                op = AllReduceNorm(
+                    tp.group,
+                    hidden_size=hidden_states.shape[1],
+                    dtype=hidden_states.dtype,
+                    norm=norm,
+                    quant=quant,
+                    max_tokens=settings.max_tokens or DEFAULT_MAX_TOKENS,
+                    backend=settings.backend,
+                    normed_output=normed_output,
+                    scale_layout=layout,
+                    device=hidden_states.device,
+                    cpu_group=tp.cpu_group,
+                )
+            except InvalidInputError as exc:
+                # A configuration no op takes (a hidden size the format cannot split): raised on
+                # every rank alike, so every rank takes the unfused path; kept, so not rebuilt.
+                entry = ops[key] = _Entry(None, refused=str(exc))
+            else:
+                entry = ops[key] = _Entry(op)
+    return entry
