@@ -10,7 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from arnorm._problem import Problem
 
-__all__ = ["Capabilities", "check_capabilities", "join_or"]
+__all__ = ["BATCH_INVARIANCE_REASON", "Capabilities", "check_capabilities", "join_or"]
+
+#: Why a backend is rejected for an op built with ``Config(batch_invariant=True)``.
+BATCH_INVARIANCE_REASON = (
+    "batch invariance: not declared (needs batch_invariant=True in Capabilities, asked by "
+    "ARNORM_BATCH_INVARIANT)"
+)
 
 Platform = Literal["cpu", "cuda", "rocm"]
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -42,6 +48,13 @@ class Capabilities(BaseModel):
     - ``caller_outputs``: whether the backend's call takes a fifth argument ``out`` (an
       :class:`arnorm.Output` of caller-owned buffers, checked by arnorm) and writes into it. It
       never excludes a backend: for one that does not, arnorm copies its outputs into ``out``.
+    - ``batch_invariant``: whether the backend serves ops built with ``Config(batch_invariant=True)``
+      (``Problem.batch_invariant``) so that a row's outputs (residual, normed, codes and scales) are
+      a function of that row's inputs alone: bitwise independent of the token count, of the other
+      rows and of which of its kernels or protocols serves the count. A backend whose default path
+      is not invariant may still declare it if it switches, for such problems, to a path that is
+      (``triton`` runs its exact mode). Only declaring backends are selected for such an op, and the
+      conformance suite checks the property (docs/numerics.md, "Batch invariance").
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -65,6 +78,7 @@ class Capabilities(BaseModel):
     strided_rows: bool = False
     residual_free: bool = False
     caller_outputs: bool = False
+    batch_invariant: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
@@ -185,4 +199,6 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
         reasons.append(
             "rounding order: round_before_weight=True (needs False: one rounding after the weight)"
         )
+    if problem.batch_invariant and not caps.batch_invariant:
+        reasons.append(BATCH_INVARIANCE_REASON)
     return tuple(reasons)

@@ -200,6 +200,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                          "leave it out for auto)")  # fmt: skip
     check_settings(args.backend)
     config = load_config()
+    problem = dataclasses.replace(problem, batch_invariant=config.batch_invariant)
     registry = get_registry()
     expl = explain_locally(problem, registry, Preference.resolve(args.backend, config), config)
     # Every installed backend's settings (ARNORM_<NAME>_<FIELD>), not only the chosen one's:

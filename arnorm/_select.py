@@ -154,7 +154,15 @@ def explain_locally(
 
 def _raise_none_usable(problem: Problem, pref: Preference, expl: Explanation) -> None:
     if not pref.is_strict:
-        raise NoEligibleBackendError(f"no backend can serve {problem.short()} on every rank:\n{expl}", expl)
+        hint = (
+            "\nfix: install a backend that declares batch invariance, or leave it off "
+            "(ARNORM_BATCH_INVARIANT / Config.batch_invariant)"
+            if problem.batch_invariant
+            else ""
+        )
+        raise NoEligibleBackendError(
+            f"no backend can serve {problem.short()} on every rank:\n{expl}{hint}", expl
+        )
     names = ", ".join(repr(n) for n in pref.names or ())
     head = f"backend {names} (from {pref.source}) cannot serve {problem.short()} on every rank"
     first = expl.verdicts[0] if expl.verdicts else None
@@ -167,6 +175,8 @@ def _raise_none_usable(problem: Problem, pref: Preference, expl: Explanation) ->
     if status == "setup_failed":
         raise BackendSetupError(f"{head}: {reason}\n{expl}", expl)
     fix = "fix: address a reason above, or name another backend (or none for auto)"
+    if problem.batch_invariant:
+        fix += ", or leave batch invariance off (ARNORM_BATCH_INVARIANT / Config.batch_invariant)"
     raise NoEligibleBackendError(f"{head}:\n{expl}\n{fix}", expl)
 
 
@@ -319,6 +329,16 @@ def _build(
     return instance, served, ()
 
 
+def _partial_table(served: list[bool]) -> str:
+    """Why a declaring backend that serves only some token counts is not used in batch-invariant mode."""
+    runs = ", ".join(f"{a}" if a == b else f"{a} to {b}" for a, b in _runs(served))
+    return (
+        f"tokens: serves {runs} of 1 to {len(served) - 1} (needs every count: batch invariance "
+        "serves an op's whole token-count table with one backend, whose arithmetic alone is proved "
+        "invariant; raise its budget or lower max_tokens)"
+    )
+
+
 def select(
     problem: Problem,
     comm: Comm,
@@ -363,6 +383,10 @@ def select(
             impl.close()
             reason = f"tokens: none of 1 to {problem.max_tokens} (needs a workspace for some token count)"
             final[v.backend] = Verdict(v.backend, "setup_failed", (reason,), v.priority)
+            continue
+        if problem.batch_invariant and not all(served[1:]):
+            impl.close()
+            final[v.backend] = Verdict(v.backend, "setup_failed", (_partial_table(served),), v.priority)
             continue
         chain.append(impl)
         names.append(v.backend)
