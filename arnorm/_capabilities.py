@@ -54,7 +54,7 @@ class Capabilities(BaseModel):
       rows and of which of its kernels or protocols serves the count. A backend whose default path
       is not invariant may still declare it if it switches, for such problems, to a path that is
       (``triton`` runs its exact mode). Only declaring backends are selected for such an op, and the
-      conformance suite checks the property (docs/numerics.md, "Batch invariance").
+      conformance suite checks the property (docs/numerics.md, section 10).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -1,5 +1,5 @@
 """What batch-invariant mode costs: the public op at TP 1 with ``Config(batch_invariant=True)`` against
-the default, per token count, on one GPU (docs/numerics.md, "Batch invariance").
+the default, per token count, on one GPU (docs/numerics.md, section 10).
 
 At TP 1 both modes select ``triton``; batch invariance runs its exact mode, whose one difference at
 TP 1 is the warp count: the default takes it from the measured launch table (``arnorm_triton/

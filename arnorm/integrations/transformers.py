@@ -188,7 +188,7 @@ def fuse(
         config: :class:`arnorm.Config` for every op (default: the ``ARNORM_*`` environment). With
             ``batch_invariant=True`` a forward above ``max_tokens`` runs each site's op in chunks of
             ``max_tokens`` rows instead of the unfused path, so a row's outputs at every site are the
-            same bits whatever the size of the forward (docs/numerics.md, "Batch invariance").
+            same bits whatever the size of the forward (docs/numerics.md, section 10).
 
     Returns:
         A :class:`FusedModel`; its ``close()`` restores the model.

@@ -1,4 +1,4 @@
-"""The batch-invariance check one conformance case runs on each rank (docs/numerics.md, "Batch invariance").
+"""The batch-invariance check one conformance case runs on each rank (docs/numerics.md, section 10).
 
 An op is built strictly on the backend with ``Config(batch_invariant=True)`` over a pool of rows
 (``max_tokens`` = the largest batch). Each row is computed alone (``T = 1``), then inside batches of
