@@ -198,7 +198,7 @@ def invariance_cases(caps: Any, hidden: int) -> list[Case]:
 
     dtype = sorted(caps.dtypes)[0]
     layouts = {"nvfp4": ("swizzled_128x4", "linear"), "mxfp8": ("linear", "swizzled_128x4")}
-    out = []
+    out: list[Case] = []
     for quant in sorted(caps.quant):
         q = None if quant == "none" else quant
         if quant in caps.quant_dtypes and dtype not in caps.quant_dtypes[quant]:
