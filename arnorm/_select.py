@@ -40,6 +40,12 @@ __all__ = ["Plan", "Preference", "check_locally", "explain_locally", "select"]
 
 logger = logging.getLogger("arnorm")
 
+#: The explanation's note for a batch-invariant op: why the settings shown may not be the path run.
+INVARIANT_NOTE = (
+    "batch invariance (ARNORM_BATCH_INVARIANT): only backends declaring it are considered, one serves "
+    "every token count, and it runs its invariant path (triton: its exact mode, unless ARNORM_TRITON_EXACT=0 "
+    "fails its setup) (docs/numerics.md, section 10)"
+)
 #: How bad a status is when ranks disagree: the merged verdict takes the worst one.
 _SEVERITY = ("unknown", "broken", "not_installed", "outdated", "incompatible", "disabled", "eligible")
 
@@ -149,6 +155,8 @@ def explain_locally(
     chain = next(((v.backend,) for v in verdicts if v.status == "eligible"), ())
     marked = tuple(replace(v, status="selected") if (v.backend,) == chain else v for v in verdicts)
     note = "(local check only: workspace setup and cross-rank agreement happen when an op is built)"
+    if problem.batch_invariant:
+        note = f"{INVARIANT_NOTE}\n{note}"
     return Explanation(problem, pref.source, marked, chain, note=note)
 
 
@@ -396,7 +404,8 @@ def select(
         final[v.backend] = replace(v, status="selected" if index == 0 else "fallback")
     verdicts = tuple(final[v.backend] for v in static)
     used = {n: tuple(settings[n].model_dump().items()) for n in names if n in settings}
-    expl = Explanation(problem, pref.source, verdicts, tuple(names), settings=tuple(used.items()))
+    expl = Explanation(problem, pref.source, verdicts, tuple(names), settings=tuple(used.items()),
+                       note=INVARIANT_NOTE if problem.batch_invariant else "")  # fmt: skip
     if not chain:
         _raise_none_usable(problem, pref, expl)
     if comm.rank == 0:

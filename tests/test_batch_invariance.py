@@ -110,3 +110,12 @@ def test_reference_serves_a_batch_invariant_op_with_its_elementwise_statistic(cl
                               max_tokens=8, device="cpu", backend="reference",
                               config=arnorm.Config(batch_invariant=True))  # fmt: skip
     assert op.problem.batch_invariant
+
+
+def test_explain_notes_the_mode(clean_env):
+    """The explanation says the op is batch invariant and that backends run their invariant path."""
+    _install()
+    text = str(_op(config=arnorm.Config(batch_invariant=True)).explain())
+    assert "batch-invariant" in text.splitlines()[0]
+    assert "batch invariance (ARNORM_BATCH_INVARIANT): only backends declaring it are considered" in text
+    assert "batch invariance (ARNORM_BATCH_INVARIANT)" not in str(_op().explain())
