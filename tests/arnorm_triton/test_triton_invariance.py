@@ -16,6 +16,10 @@ from arnorm_triton._backend import TritonBackend
 from arnorm_triton._launch_table import default_num_warps
 
 H = 4096
+#: The emulation runs the real kernels: under the interpreter on CPU, compiled on a GPU host.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: Rows of the emulated calls: small for the interpreter, a real width (16 elements per thread) on a GPU.
+EMU_H = 4096 if DEVICE == "cuda" else 64
 
 
 def _problem(**kw) -> Problem:
@@ -62,9 +66,9 @@ def test_batch_invariant_op_refuses_triton_with_exact_set_to_0():
 
 def _rows(world: int, pool: int, h: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    partials = [torch.randn(pool, h, generator=g).to(torch.bfloat16) for _ in range(world)]
-    residual = (torch.randn(pool, h, generator=g) * 2).to(torch.bfloat16)
-    weight = (1 + torch.randn(h, generator=g) * 0.2).to(torch.bfloat16)
+    partials = [torch.randn(pool, h, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(world)]
+    residual = (torch.randn(pool, h, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+    weight = (1 + torch.randn(h, generator=g) * 0.2).to(torch.bfloat16).to(DEVICE)
     return partials, residual, weight
 
 
@@ -85,7 +89,7 @@ def test_symm_push_one_shot_and_two_shot_give_every_row_its_bits_alone(quant, wo
     gives bitwise the same residual, normed output, codes and scales on every rank."""
     from arnorm_triton._symm_emulation import emulate_call
 
-    h, pool = 64, 9
+    h, pool = EMU_H, 9
     partials, residual, weight = _rows(world, pool, h, seed=world)
     kw = {"quant": quant, "weight_offset": 1.0, "slots": 4}
     alone = []
@@ -115,15 +119,15 @@ def test_symm_and_triton_exact_agree_on_every_row():
     from arnorm_triton._launch import FusedLauncher
     from arnorm_triton._symm_emulation import emulate_call
 
-    world, t, h = 2, 5, 64
+    world, t, h = 2, 5, EMU_H
     partials, residual, weight = _rows(world, t, h, seed=7)
     outs, _ = emulate_call(partials, residual, weight, None, push=True)
     launcher = FusedLauncher(hidden=h, itemsize=2, quant=None, layout=None, write_normed=True,
                              num_partials=world, eps=1e-6, weight_offset=0.0, soft=INTERPRETED,
                              soft_fp8=INTERPRETED, num_warps=default_num_warps(h))  # fmt: skip
     x = torch.cat(partials)
-    h_out = torch.empty(t, h, dtype=torch.bfloat16)
-    y = torch.empty(t, h, dtype=torch.bfloat16)
+    h_out = torch.empty(t, h, dtype=torch.bfloat16, device=DEVICE)
+    y = torch.empty(t, h, dtype=torch.bfloat16, device=DEVICE)
     launcher.launch(x, residual, weight, None, h_out, y, None, None, t, h, h, h)
     assert torch.equal(h_out.view(torch.int16), outs[0].residual.view(torch.int16))
     assert torch.equal(y.view(torch.int16), outs[0].normed.view(torch.int16))
