@@ -22,7 +22,10 @@ with ``inplace=False`` (``hidden_states`` left unwritten, the residual a new ten
 of the same op built with one), and, where the backend declares ``strided_rows``,
 ``hidden_states`` and ``residual`` that are ``[:, :H]`` views of wider buffers (nothing written
 outside the views). Bad inputs must raise ``InvalidInputError`` on every rank and leave the op
-usable.
+usable. A backend that declares ``batch_invariant`` is built with ``Config(batch_invariant=True)``
+and each row of a pool, computed alone, must come back bit for bit inside batches of every size of
+``invariance_sizes`` (residual, normed output, codes, per-row scales; ``test_batch_invariant``,
+arnorm/testing/_invariance.py); a backend that does not declare it skips that test.
 
 What fails and what skips:
 
