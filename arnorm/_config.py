@@ -51,23 +51,41 @@ class _ExactEnvironment(PydanticBaseSettingsSource):
 class Config(BaseSettings):
     """arnorm's core settings. Fields set in code win over the environment.
 
-    =================  =========================  ====================================================
-    field              variable                   meaning (default)
-    =================  =========================  ====================================================
-    ``backend``        ``ARNORM_BACKEND``         a name or comma list, preferred first; strict:
-                                                  only these (auto)
-    ``disable``        ``ARNORM_DISABLE``         names auto mode must not pick (none)
-    ``check_calls``    ``ARNORM_CHECK_CALLS``     compare every call's fingerprint across ranks
-                                                  before its collective; slow, for debugging (off)
-    ``probe_timeout``  ``ARNORM_PROBE_TIMEOUT``   seconds a plugin's import, and a backend's
-                                                  probe, may each take (15; at most 86400)
-    ``accelerate``     ``ARNORM_ACCELERATE``      test valid calls in arnorm's C helper, built
-                                                  once with Python's C compiler (on)
-    ``settings``       (code only)                per-backend settings overrides,
-                                                  ``{"triton": {"exact": True}}``
-    =================  =========================  ====================================================
+        field              variable                   meaning (default)
+        =================  =========================  ====================================================
+        ``backend``        ``ARNORM_BACKEND``         a name or comma list, preferred first; strict:
+                                                      only these (auto)
+        ``disable``        ``ARNORM_DISABLE``         names auto mode must not pick (none)
+        ``check_calls``    ``ARNORM_CHECK_CALLS``     compare every call's fingerprint across ranks
+                                                      before its collective; slow, for debugging (off)
+        ``probe_timeout``  ``ARNORM_PROBE_TIMEOUT``   seconds a plugin's import, and a backend's
+                                                      probe, may each take (15; at most 86400)
+        ``accelerate``     ``ARNORM_ACCELERATE``      test valid calls in arnorm's C helper, built
+                                                      once with Python's C compiler (on)
+        ``settings``       (code only)                per-backend settings overrides,
+                                                      ``{"triton": {"exact": True}}``
+        =================  =========================  ====================================================
+    =======
+        ===================  ==========================  ================================================
+        field                variable                    meaning (default)
+        ===================  ==========================  ================================================
+        ``backend``          ``ARNORM_BACKEND``          a name or comma list, preferred first; strict:
+                                                         only these (auto)
+        ``disable``          ``ARNORM_DISABLE``          names auto mode must not pick (none)
+        ``check_calls``      ``ARNORM_CHECK_CALLS``      compare every call's fingerprint across ranks
+                                                         before its collective; slow, for debugging (off)
+        ``probe_timeout``    ``ARNORM_PROBE_TIMEOUT``    seconds a plugin's import, and a backend's
+                                                         probe, may each take (15; at most 86400)
+        ``accelerate``       ``ARNORM_ACCELERATE``       test valid calls in arnorm's C helper, built
+                                                         once with Python's C compiler (on)
+        ``batch_invariant``  ``ARNORM_BATCH_INVARIANT``  a row's outputs bitwise independent of the token
+                                                         count and of the path serving it: only backends
+                                                         declaring it are selected (off)
+        ``settings``         (code only)                 per-backend settings overrides,
+                                                         ``{"triton": {"exact": True}}``
+        ===================  ==========================  ================================================
 
-    Raises :class:`arnorm.ConfigError` (naming the variable or field) for a malformed value.
+        Raises :class:`arnorm.ConfigError` (naming the variable or field) for a malformed value.
     """
 
     model_config = SettingsConfigDict(frozen=True, extra="forbid")
@@ -95,6 +113,13 @@ class Config(BaseSettings):
         "(arnorm/op/_accel.c, compiled once per interpreter into ~/.cache/arnorm); the Python test "
         "runs where it declines, is off or cannot be built. A speed-up only: results and errors "
         "are the same.",
+    )
+    batch_invariant: bool = Field(
+        default=False,
+        description="Select only backends that declare Capabilities.batch_invariant, for every token "
+        "count the op serves, and have them run their invariant path: a row's residual, normed output, "
+        "codes and scales are then bitwise independent of the token count, of the other rows and of "
+        "the kernel or protocol serving the call (docs/numerics.md, 'Batch invariance').",
     )
     settings: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-backend settings set in code: {backend: {field: value}}."

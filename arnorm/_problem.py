@@ -21,6 +21,9 @@ class Problem:
     :class:`arnorm.RMSNorm`'s.
     ``add_residual=False``: an all-reduce + norm with no residual add (calls pass ``residual=None``;
     the new residual is the reduced sum itself).
+    ``batch_invariant``: ``Config(batch_invariant=True)``: a row's outputs must not depend on the
+    token count or the path serving it (only backends declaring ``Capabilities.batch_invariant``
+    serve it, and they run their invariant path).
     """
 
     world_size: int
@@ -40,6 +43,7 @@ class Problem:
     round_before_weight: bool = False
     add_residual: bool = True
     normalize_unrounded: bool = False
+    batch_invariant: bool = False
 
     @property
     def quant_name(self) -> str:
@@ -55,7 +59,8 @@ class Problem:
             norm += "/unrounded"
         layout = f"/{self.scale_layout}" if self.scale_layout else ""
         residual = "" if self.add_residual else " no-residual"
+        invariant = " batch-invariant" if self.batch_invariant else ""
         return (
             f"tp={self.world_size} hidden={self.hidden_size} {self.dtype} "
-            f"quant={self.quant_name}{layout} {norm}{residual} {self.platform}"
+            f"quant={self.quant_name}{layout} {norm}{residual}{invariant} {self.platform}"
         )

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from arnorm._settings import BackendSettings
     from arnorm.op._comm import Comm
 
-__all__ = ["ReferenceBackend", "add_rmsnorm", "quantize_output", "rank_order_sum"]
+__all__ = ["ReferenceBackend", "add_rmsnorm", "mean_square_rows", "quantize_output", "rank_order_sum"]
 
 
 def rank_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -36,6 +36,29 @@ def rank_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return acc.to(parts[0].dtype)
 
 
+def mean_square_rows(hf: torch.Tensor) -> torch.Tensor:
+    """``mean(hf**2)`` of each row of fp32 ``[T, H]`` as ``[T, 1]``, summed by a fixed pairwise tree
+    of elementwise adds (lanes ``i`` and ``i + n/2`` of the row zero-padded to a power of two, then
+    halved again), then divided by ``H``.
+
+    Only elementwise operations: each is correctly rounded per element whatever the tensor's
+    shape, so a row's result is bitwise independent of how many rows come with it. A torch
+    reduction is not: its split of a row over threads (CPU, rows of 32768 elements and more at
+    T = 1) or blocks (CUDA) depends on the number of rows.
+    """
+    import torch.nn.functional as F
+
+    n = hf.shape[-1]
+    acc = hf.square()
+    width = 1 << max(0, n - 1).bit_length()
+    if width != n:
+        acc = F.pad(acc, (0, width - n))
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc / n
+
+
 def add_rmsnorm(
     reduced: torch.Tensor,
     residual: torch.Tensor | None,
@@ -44,12 +67,16 @@ def add_rmsnorm(
     weight_offset: float,
     round_before_weight: bool = False,
     normalize_unrounded: bool = False,
+    *,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 2 and 3: ``(h, y)`` from the reduced sum ``s``; both in the dtype of ``reduced``.
 
     ``reduced`` and ``residual`` are ``[T, H]`` (any row strides), ``weight`` is ``[H]``;
     ``residual=None`` is no add (``h`` is ``reduced`` itself, not a copy).
     ``normalize_unrounded``: the norm reads the fp32 sum before it is rounded to ``h``.
+    ``batch_invariant``: the statistic by :func:`mean_square_rows` (a row's result independent of
+    the other rows) instead of torch's ``mean``.
     """
     import torch
 
@@ -61,7 +88,8 @@ def add_rmsnorm(
     if not normalize_unrounded or residual is None:
         hf = h
     hf = hf.float()
-    inv_rms = torch.rsqrt(hf.square().mean(dim=-1, keepdim=True) + eps)
+    mean_sq = mean_square_rows(hf) if batch_invariant else hf.square().mean(dim=-1, keepdim=True)
+    inv_rms = torch.rsqrt(mean_sq + eps)
     normalized = hf * inv_rms
     if round_before_weight:
         normalized = normalized.to(reduced.dtype).float()
@@ -84,7 +112,8 @@ class ReferenceBackend:
     """Pure torch on any device: all-gather the partials, then steps 1-4 exactly as written.
 
     Slow (several kernels and a gather of every partial) and always correct: it is the oracle the
-    other backends are checked against and the fallback auto mode ends on.
+    other backends are checked against and the fallback auto mode ends on. For batch-invariant ops
+    (``problem.batch_invariant``) it takes the norm's statistic by :func:`mean_square_rows`.
     """
 
     name: ClassVar[str] = "reference"
@@ -116,9 +145,8 @@ class ReferenceBackend:
             reduced = hidden_states
         else:
             reduced = rank_order_sum(self._comm.all_gather(hidden_states))
-        h, y = add_rmsnorm(
-            reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight, p.normalize_unrounded
-        )
+        h, y = add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight,
+                           p.normalize_unrounded, batch_invariant=p.batch_invariant)  # fmt: skip
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)

@@ -18,6 +18,9 @@ CAPABILITIES = Capabilities(
     max_hidden=16384,
     # The plain norm, or Gemma's weight + 1 (``gemma_norm``).
     weight_offsets=frozenset({0.0, 1.0}),
+    # Not batch invariant (docs/numerics.md, section 10): the 1-stage kernel (up to 80 tokens) and the
+    # 2-stage path multiply the norm in different orders.
+    batch_invariant=False,
 )
 
 

@@ -28,6 +28,10 @@ CAPABILITIES = Capabilities(
     # One 16-byte vector per thread; nvfp4 / mxfp8 blocks (16 / 32) are required by the core too.
     hidden_multiple=8,
     max_hidden=65536,
+    # Not batch invariant (docs/numerics.md, section 10): the launcher splits a row over blocks and
+    # a cluster by the token count (adjust_for_sm_count), which reorders the sum of squares, and
+    # only the one-shot kernel turns -0.0 inputs into +0.0.
+    batch_invariant=False,
 )
 
 

@@ -27,7 +27,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from arnorm.plugin import Output
+from arnorm.plugin import BackendSetupError, Output
 
 if TYPE_CHECKING:
     import torch
@@ -63,10 +63,13 @@ class TritonBackend:
     name: ClassVar[str] = "triton"
 
     def __init__(self, problem: Problem, comm: Comm, exact: bool, pdl: bool) -> None:
+        """``exact``: the exact mode (``ARNORM_TRITON_EXACT``, or any batch-invariant op): the
+        rank-order gather at TP > 1, and one warp count for every token count."""
         import torch
 
-        from arnorm_triton._kernels import INTERPRETED
+        from arnorm_triton._kernels import INTERPRETED, row_shape
         from arnorm_triton._launch import FusedLauncher
+        from arnorm_triton._launch_table import default_num_warps
         from arnorm_triton._outputs import OutputPlan
 
         self._problem = problem
@@ -95,9 +98,14 @@ class TritonBackend:
             normed=problem.normed_output,
             device=self._device,
         )
+        # The launch table's warp count changes with T, and with it the order of the sum of
+        # squares: exact mode pins it to a function of the row's shape alone (the count triton_symm
+        # always uses), so a row's result does not depend on the token count.
+        itemsize = torch.empty((), dtype=self._dtype).element_size()
+        pinned = default_num_warps(row_shape(h, problem.quant, itemsize)[0]) if exact else None
         self._launcher = FusedLauncher(
             hidden=h,
-            itemsize=torch.empty((), dtype=self._dtype).element_size(),
+            itemsize=itemsize,
             quant=problem.quant,
             layout=plan.layout,
             write_normed=problem.normed_output,
@@ -111,6 +119,7 @@ class TritonBackend:
             soft_fp8=soft_fp8,
             pdl=pdl,
             arch=problem.arch if problem.platform == "cuda" else None,
+            num_warps=pinned,
         )
         self._gather: torch.Tensor | None = None
         if self._exact:
@@ -161,6 +170,15 @@ class TritonBackend:
         :class:`arnorm_triton._plugin.TritonSettings`.
         """
         exact = bool(getattr(settings, "exact", False))
+        if problem.batch_invariant and not exact:
+            if "exact" in getattr(settings, "model_fields_set", ()):
+                msg = (
+                    "batch invariance: exact=False (ARNORM_TRITON_EXACT or Config.settings) (needs "
+                    "exact=True or unset: the library all-reduce sums in an order that changes with "
+                    "its algorithm and the size, and the launch table's warp count changes with T)"
+                )
+                raise BackendSetupError(msg)
+            exact = True
         from arnorm_triton._direct import pdl_available
 
         pdl = bool(getattr(settings, "pdl", True)) and pdl_available(problem)

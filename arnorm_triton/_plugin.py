@@ -28,6 +28,10 @@ CAPABILITIES = Capabilities(
     strided_rows=True,
     residual_free=True,
     caller_outputs=True,
+    # Served through the exact mode, whatever ARNORM_TRITON_EXACT says unless it says 0: the
+    # default path's NCCL all-reduce sums in an order that depends on its algorithm and the size,
+    # and its launch table changes the warp count (so the sum of squares' order) with T.
+    batch_invariant=True,
 )
 
 
@@ -38,7 +42,10 @@ class TritonSettings(BackendSettings):
         default=False,
         description="At TP > 1, all-gather the partials and sum them in fp32 in rank order inside "
         "the kernel (bitwise the reference at any TP size) instead of a library all-reduce; costs a "
-        "TP * max_tokens * H gather buffer per rank and more traffic at TP >= 4.",
+        "TP * max_tokens * H gather buffer per rank and more traffic at TP >= 4. At any TP size, every "
+        "token count launches with one warp count (a function of H), so a row's outputs do not depend "
+        "on T: the batch-invariant mode. On for batch-invariant ops (ARNORM_BATCH_INVARIANT) unless "
+        "set to 0, which then fails the backend's setup.",
     )
     pdl: bool = Field(
         default=True,

@@ -198,6 +198,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                          "leave it out for auto)")  # fmt: skip
     check_settings(args.backend)
     config = load_config()
+    problem = dataclasses.replace(problem, batch_invariant=config.batch_invariant)
     registry = get_registry()
     pref = Preference.resolve(args.backend, config)
     expl = explain_locally(problem, registry, pref, config)

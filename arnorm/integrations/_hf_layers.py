@@ -21,7 +21,11 @@ The carry hands layer ``i``'s normed output to whoever consumes ``h2`` next, onl
 consumer receives the very tensor ``h2`` (identity check); anyone else runs their own norm, so a
 layer called out of order is still correct. A call with more tokens than the op's budget (or
 that no backend serves) takes the unfused path of its site: the TP all-reduce, the add and the
-model's own norm module, the exact operations of the unfused model.
+model's own norm module, the exact operations of the unfused model. Except for a batch-invariant
+op (``Config(batch_invariant=True)``): there a call above the budget runs through the same op in
+chunks of at most ``max_tokens`` rows, so every row gets the fused path's bits whatever the size of
+the forward it came in (its op serves every count up to the budget, and a row's outputs do not
+depend on its neighbours).
 """
 
 from __future__ import annotations
@@ -82,9 +86,16 @@ class Step:
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend serving ``num_tokens`` here, or ``"unfused"``."""
+        if self._chunks(num_tokens):
+            return str(self.op.backend_for(self.op.problem.max_tokens))
         if not self._serves(num_tokens):
             return "unfused"
         return str(self.op.backend_for(num_tokens))
+
+    def _chunks(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` runs through the op in chunks: above the budget of a batch-invariant op."""
+        op = self.op
+        return op is not None and op.problem.batch_invariant and num_tokens > op.problem.max_tokens
 
     def _serves(self, num_tokens: int) -> bool:
         known = self.served.get(num_tokens)
@@ -106,22 +117,38 @@ class Step:
         shape = partial.shape
         h = shape[-1]
         t = partial.numel() // h if h else 0
-        if (
+        fits = (
             self.op is not None
             and h == self.hidden
             and partial.dtype == self.dtype
             and (residual is None or (residual.dtype == self.dtype and residual.shape == shape))
-            and self._serves(t)
-        ):
+        )
+        if fits and self._serves(t):
             x = partial.reshape(t, h)
             res = None if residual is None else residual.reshape(t, h)
             out = self.op(x, res, self.norm.weight)
             return out.residual.view(shape), out.normed.view(shape)
+        if fits and self._chunks(t):
+            return self._chunked(partial.reshape(t, h), None if residual is None else residual.reshape(t, h),
+                                 shape)  # fmt: skip
         if self.op is not None and self._serves(t):
             self._warn_unfused(partial, residual)
         reduced = partial if self.all_reduce is None else self.all_reduce(partial)
         new_residual = reduced if residual is None else residual + reduced
         return new_residual, self.norm_forward(new_residual)
+
+    def _chunked(
+        self, x: torch.Tensor, res: torch.Tensor | None, shape: torch.Size
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op over rows ``[i, i + max_tokens)`` in turn: the fused path's arithmetic for every row
+        (every rank makes the same calls: the chunks are a function of the token count alone)."""
+        m = self.op.problem.max_tokens
+        residuals, normed = [], []
+        for i in range(0, x.shape[0], m):
+            out = self.op(x[i : i + m], None if res is None else res[i : i + m], self.norm.weight)
+            residuals.append(out.residual)
+            normed.append(out.normed)
+        return torch.cat(residuals).view(shape), torch.cat(normed).view(shape)
 
     def _warn_unfused(self, partial: torch.Tensor, residual: torch.Tensor | None) -> None:
         """Say once per distinct reason why a call its op serves by size ran unfused (the handle's

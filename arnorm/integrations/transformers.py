@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from arnorm._config import Config
 from arnorm._errors import InvalidInputError, SelectionError
 from arnorm._types import LOCAL, RMSNorm
 from arnorm.integrations._hf_inspect import LayerPlan, ModelPlan, inspect_model
@@ -89,7 +90,11 @@ class FusedModel:
     def explain(self, num_tokens: int | None = None) -> str:
         """Each op's explanation, headed by the sites it serves (above ``max_tokens``: every site unfused)."""
         if num_tokens is not None and num_tokens > self.max_tokens:
-            head = f"{num_tokens} tokens: above max_tokens={self.max_tokens}, every site runs unfused"
+            if self._ops and all(op.problem.batch_invariant for op in self._ops):
+                how = f"every site runs its op in chunks of {self.max_tokens} (batch invariant)"
+            else:
+                how = "every site runs unfused"
+            head = f"{num_tokens} tokens: above max_tokens={self.max_tokens}, {how}"
             return f"{head}\n\n{self.explain()}"
         parts = []
         for op in self._ops:
@@ -162,6 +167,7 @@ def fuse(
     quant: str | None = None,
     backend: str | Sequence[str] | None = None,
     cpu_group: Any = None,
+    config: Config | None = None,
 ) -> FusedModel:
     """Rewire a tensor-parallel Hugging Face decoder: each all-reduce + residual add + norm becomes one call.
 
@@ -179,6 +185,10 @@ def fuse(
         backend: an arnorm backend name or ordered list (strict), or None for auto. Gemma2/3's
             local add + norm sites of a TP model fall back to auto when it cannot serve one process.
         cpu_group: a gloo group over the TP ranks, when ``tp_group`` is an NCCL group smaller than WORLD.
+        config: :class:`arnorm.Config` for every op (default: the ``ARNORM_*`` environment). With
+            ``batch_invariant=True`` a forward above ``max_tokens`` runs each site's op in chunks of
+            ``max_tokens`` rows instead of the unfused path, so a row's outputs at every site are the
+            same bits whatever the size of the forward (docs/numerics.md, section 10).
 
     Returns:
         A :class:`FusedModel`; its ``close()`` restores the model.
@@ -214,7 +224,7 @@ def fuse(
         raise _refuse(reasons)
     handle = FusedModel(model, plan, max_tokens)
     try:
-        _build(handle, plan, tp_group, local, max_tokens, backend, cpu_group)
+        _build(handle, plan, tp_group, local, max_tokens, backend, cpu_group, config)
     except BaseException:
         handle.close()
         raise
@@ -230,6 +240,7 @@ def _build(
     max_tokens: int,
     backend: Any,
     cpu_group: Any,
+    config: Config | None = None,
 ) -> None:
     """Build the ops (collective, in layer order on every rank), then install the forwards."""
     ops: dict[tuple[bool, RMSNorm, bool], AllReduceNorm] = {}
@@ -251,6 +262,7 @@ def _build(
                     device=device,
                     cpu_group=cpu_group if key[0] else None,
                     add_residual=add_residual,
+                    config=config,
                 )
 
             if key[0] or local or backend is None:

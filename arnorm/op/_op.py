@@ -204,6 +204,8 @@ class AllReduceNorm:
                 config = load_config()
             elif not isinstance(config, Config):
                 raise InvalidInputError(f"config: {type(config).__name__} (needs arnorm.Config(...))")
+            if config.batch_invariant:
+                problem = dataclasses.replace(problem, batch_invariant=True)
             pref = Preference.resolve(backend, config)
             settings = load_settings(registry, config)
             warn_unknown_names(pref, registry)

@@ -22,6 +22,9 @@ def arnorm_backends() -> list[BackendSpec]:
                 normalize_unrounded=True,
                 strided_rows=True,
                 residual_free=True,
+                # Rank-order sum, elementwise steps, and for batch-invariant ops a statistic by
+                # elementwise adds (arnorm._reference.mean_square_rows): nothing depends on T.
+                batch_invariant=True,
             ),
             loader="arnorm._reference:ReferenceBackend",
             requires=("torch",),

@@ -11,7 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from arnorm import _formats
 from arnorm._problem import Problem
 
-__all__ = ["Capabilities", "check_capabilities", "did_you_mean", "join_or"]
+__all__ = ["BATCH_INVARIANCE_REASON", "Capabilities", "check_capabilities", "did_you_mean", "join_or"]
+
+#: Why a backend is rejected for an op built with ``Config(batch_invariant=True)``.
+BATCH_INVARIANCE_REASON = (
+    "batch invariance: not declared (needs batch_invariant=True in Capabilities, asked by "
+    "ARNORM_BATCH_INVARIANT)"
+)
 
 Platform = Literal["cpu", "cuda", "rocm"]
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -48,6 +54,13 @@ class Capabilities(BaseModel):
       result holding those tensors (checked on every ``out=`` call: otherwise the call raises
       ``BackendBrokenError`` naming the backend). It never excludes a backend: for one that does
       not, arnorm copies its outputs into ``out``.
+    - ``batch_invariant``: whether the backend serves ops built with ``Config(batch_invariant=True)``
+      (``Problem.batch_invariant``) so that a row's outputs (residual, normed, codes and scales) are
+      a function of that row's inputs alone: bitwise independent of the token count, of the other
+      rows and of which of its kernels or protocols serves the count. A backend whose default path
+      is not invariant may still declare it if it switches, for such problems, to a path that is
+      (``triton`` runs its exact mode). Only declaring backends are selected for such an op, and the
+      conformance suite checks the property (docs/numerics.md, section 10).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -72,6 +85,7 @@ class Capabilities(BaseModel):
     strided_rows: bool = False
     residual_free: bool = False
     caller_outputs: bool = False
+    batch_invariant: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
@@ -208,4 +222,6 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
             "norm input: normalize_unrounded=True (needs False: this backend normalizes the "
             "residual rounded to the dtype)"
         )
+    if problem.batch_invariant and not caps.batch_invariant:
+        reasons.append(BATCH_INVARIANCE_REASON)
     return tuple(reasons)

@@ -41,6 +41,12 @@ __all__ = ["Plan", "Preference", "check_locally", "explain_locally", "select"]
 
 logger = logging.getLogger("arnorm")
 
+#: The explanation's note for a batch-invariant op: why the settings shown may not be the path run.
+INVARIANT_NOTE = (
+    "batch invariance (ARNORM_BATCH_INVARIANT): only backends declaring it are considered, one serves "
+    "every token count, and it runs its invariant path (triton: its exact mode, unless ARNORM_TRITON_EXACT=0 "
+    "fails its setup) (docs/numerics.md, section 10)"
+)
 #: How bad a status is when ranks disagree: the merged verdict takes the worst one.
 _SEVERITY = ("unknown", "broken", "not_installed", "outdated", "incompatible", "disabled", "eligible")
 
@@ -151,12 +157,22 @@ def explain_locally(
     chain = next(((v.backend,) for v in verdicts if v.status == "eligible"), ())
     marked = tuple(replace(v, status="selected") if (v.backend,) == chain else v for v in verdicts)
     note = "(local check only: workspace setup and cross-rank agreement happen when an op is built)"
+    if problem.batch_invariant:
+        note = f"{INVARIANT_NOTE}\n{note}"
     return Explanation(problem, pref.source, marked, chain, note=note)
 
 
 def _raise_none_usable(problem: Problem, pref: Preference, expl: Explanation) -> None:
     if not pref.is_strict:
-        raise NoEligibleBackendError(f"no backend can serve {problem.short()} on every rank:\n{expl}", expl)
+        hint = (
+            "\nfix: install a backend that declares batch invariance, or leave it off "
+            "(ARNORM_BATCH_INVARIANT / Config.batch_invariant)"
+            if problem.batch_invariant
+            else ""
+        )
+        raise NoEligibleBackendError(
+            f"no backend can serve {problem.short()} on every rank:\n{expl}{hint}", expl
+        )
     names = ", ".join(repr(n) for n in pref.names or ())
     head = f"backend {names} (from {pref.source}) cannot serve {problem.short()} on every rank"
     first = expl.verdicts[0] if expl.verdicts else None
@@ -169,6 +185,8 @@ def _raise_none_usable(problem: Problem, pref: Preference, expl: Explanation) ->
     if status == "setup_failed":
         raise BackendSetupError(f"{head}: {reason}\n{expl}", expl)
     fix = "fix: address a reason above, or name another backend (or none for auto)"
+    if problem.batch_invariant:
+        fix += ", or leave batch invariance off (ARNORM_BATCH_INVARIANT / Config.batch_invariant)"
     raise NoEligibleBackendError(f"{head}:\n{expl}\n{fix}", expl)
 
 
@@ -321,6 +339,16 @@ def _build(
     return instance, served, ()
 
 
+def _partial_table(served: list[bool]) -> str:
+    """Why a declaring backend that serves only some token counts is not used in batch-invariant mode."""
+    runs = ", ".join(f"{a}" if a == b else f"{a} to {b}" for a, b in _runs(served))
+    return (
+        f"tokens: serves {runs} of 1 to {len(served) - 1} (needs every count: batch invariance "
+        "serves an op's whole token-count table with one backend, whose arithmetic alone is proved "
+        "invariant; raise its budget or lower max_tokens)"
+    )
+
+
 def select(
     problem: Problem,
     comm: Comm,
@@ -368,6 +396,10 @@ def select(
             reason = f"tokens: none of 1 to {problem.max_tokens} (needs a workspace for some token count)"
             final[v.backend] = Verdict(v.backend, "setup_failed", (reason,), v.priority)
             continue
+        if problem.batch_invariant and not all(served[1:]):
+            impl.close()
+            final[v.backend] = Verdict(v.backend, "setup_failed", (_partial_table(served),), v.priority)
+            continue
         chain.append(impl)
         names.append(v.backend)
         for t in range(1, problem.max_tokens + 1):
@@ -376,7 +408,8 @@ def select(
         final[v.backend] = replace(v, status="selected" if index == 0 else "fallback")
     verdicts = tuple(final[v.backend] for v in static)
     used = {n: tuple(settings[n].model_dump().items()) for n in names if n in settings}
-    expl = Explanation(problem, pref.source, verdicts, tuple(names), settings=tuple(used.items()))
+    expl = Explanation(problem, pref.source, verdicts, tuple(names), settings=tuple(used.items()),
+                       note=INVARIANT_NOTE if problem.batch_invariant else "")  # fmt: skip
     if not chain:
         _raise_none_usable(problem, pref, expl)
     if comm.rank == 0:

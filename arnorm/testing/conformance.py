@@ -23,7 +23,10 @@ called with ``out=`` (the result must be the caller's buffers, written), with
 of the same op built with one), and, where the backend declares ``strided_rows``,
 ``hidden_states`` and ``residual`` that are ``[:, :H]`` views of wider buffers (nothing written
 outside the views). Bad inputs must raise ``InvalidInputError`` on every rank and leave the op
-usable.
+usable. A backend that declares ``batch_invariant`` is built with ``Config(batch_invariant=True)``
+and each row of a pool, computed alone, must come back bit for bit inside batches of every size of
+``invariance_sizes`` (residual, normed output, codes, per-row scales; ``test_batch_invariant``,
+arnorm/testing/_invariance.py); a backend that does not declare it skips that test.
 
 What fails and what skips:
 
@@ -54,6 +57,7 @@ import pytest
 
 from arnorm._formats import FORMAT_SPECS
 from arnorm.testing._cases import Case, CaseResult, bad_inputs_then_good, run_cases
+from arnorm.testing._invariance import invariance_cases, run_invariance
 from arnorm.testing._ranks import run_ranks
 
 __all__ = ["ConformanceSuite"]
@@ -101,6 +105,11 @@ class ConformanceSuite:
       ``arnorm.quant`` (default ``True``; ``False`` holds approximate dividers to their codes only).
     - ``require``: fail instead of skip (default ``False``; see the module docstring).
     - ``timeout``: seconds a multi-rank run may take before it fails (default 300).
+    - ``invariance_sizes``: the batch sizes :meth:`test_batch_invariant` feeds a backend that
+      declares ``batch_invariant`` (default ``(1, 7, 128, 129)``; the largest is the op's
+      ``max_tokens`` and the pool of rows). Add the backend's own path boundaries (the last token
+      count of each kernel or protocol and the first of the next).
+    - ``invariance_hidden``: the hidden size of those cases (default 256).
     """
 
     backend: ClassVar[str] = ""
@@ -119,6 +128,9 @@ class ConformanceSuite:
     require: ClassVar[bool] = False
     #: Seconds a multi-rank run may take before it fails (passed to run_ranks).
     timeout: ClassVar[float] = 300.0
+
+    invariance_sizes: ClassVar[tuple[int, ...]] = (1, 7, 128, 129)
+    invariance_hidden: ClassVar[int] = 256
 
     _results: ClassVar[dict[tuple[type, int], list[CaseResult]]] = {}
 
@@ -357,3 +369,37 @@ class ConformanceSuite:
                 )
         if failures:
             pytest.fail(f"{self.backend} on {world} rank(s), {case.id}:\n" + "\n".join(failures))
+
+    @pytest.mark.parametrize("world", [1, 2, 4])
+    def test_batch_invariant(self, world: int) -> None:
+        """Where the backend declares ``batch_invariant``: built with ``Config(batch_invariant=True)``,
+        every row alone and inside batches of ``invariance_sizes`` gives bitwise the same residual,
+        normed output, codes and per-row scales (arnorm/testing/_invariance.py). Skips a backend
+        that does not declare it."""
+        if world not in self.world_sizes:
+            pytest.skip(f"world size {world} not in {type(self).__name__}.world_sizes {self.world_sizes}")
+        caps = self.spec().capabilities
+        if not caps.batch_invariant:
+            pytest.skip(f"{self.backend}: does not declare batch_invariant (nothing to check)")
+        undeclared = self._declared_world(world)
+        if undeclared:
+            self._skip(undeclared)
+        cases = invariance_cases(caps, self.invariance_hidden)
+        sizes = tuple(sorted(set(self.invariance_sizes)))
+        per_rank = self._run(world, run_invariance, self.backend, cases, sizes, _device())
+        rows = per_rank[0]
+        ran = [r for r in rows if r.outcome != "skipped"]
+        if not ran:
+            reasons = sorted({reason for r in rows for reason in r.reasons})
+            self._skip(f"incompatible with every case on {world} rank(s) here: " + "; ".join(reasons))
+        failures = []
+        for rank, results in enumerate(per_rank):
+            for r in results:
+                if r.outcome == "error":
+                    failures.append(f"rank {rank}: {r.case.id}: {r.error}")
+                failures.extend(f"rank {rank}: {r.case.id}: {f}" for f in r.failures)
+        if failures:
+            pytest.fail(
+                f"{self.backend} on {world} rank(s) is not batch invariant, {len(failures)} failure(s):\n"
+                + "\n".join(failures)
+            )

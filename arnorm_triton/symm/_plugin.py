@@ -71,6 +71,10 @@ CAPABILITIES = Capabilities(
         "residual_free": False,
         # Caller-provided outputs reach it through arnorm's copy (its call allocates its own).
         "caller_outputs": False,
+        # Push, one-shot and two-shot all sum the ranks in fp32 from rank 0 up and round once
+        # (_symm_kernels._rank_order_sum, _push_pass), the epilogue is triton's, and the warp count
+        # is a function of H alone (_symm_launch.SymmLauncher): a row's outputs never depend on T.
+        "batch_invariant": True,
     }
 )
 

@@ -87,3 +87,15 @@ def test_make_op_honours_inplace_and_layout(monkeypatch):
         assert torch.equal(x, inp.x) is not inplace
         assert (out.quant.layout, tuple(out.quant.scale.shape)) == (want_layout, want_shape)
         op.close()
+
+
+def test_bench_batch_invariant_smoke(tmp_path):
+    """--smoke times both modes for each cell, checks a batch's first row against the row alone, and
+    writes the table with the ratio column and no error row."""
+    _, out = _run("bench_batch_invariant.py", tmp_path)
+    (md,) = out.glob("batch-invariant-*.md")
+    assert list(out.glob("batch-invariant-*.json"))
+    text = md.read_text()
+    assert "Smoke run on CPU" in text and "errors:" not in text and "skipped:" not in text, text
+    assert "| 256 | none | 3 |" in text and "| 256 | fp8_per_token | 1 |" in text, text
+    assert "invariant mode rows not bitwise alone: 0 (needs 0)" in text, text

@@ -16,3 +16,8 @@ class TestTritonConformance(ConformanceSuite):
     backend = "triton"
     world_sizes = (1,) if torch.cuda.is_available() else (1, 2)
     shapes = ((1, 256), (7, 512))
+    # Batch invariance: on a GPU, H 4096 (rows of the measured launch table, whose warp count changes
+    # at T 1, 16, 128 and 1024) at every one of those boundaries; on CPU (the interpreter, where warps
+    # play no part) a few small batches against the rank-order gather.
+    invariance_hidden = 4096 if torch.cuda.is_available() else 256
+    invariance_sizes = (1, 2, 7, 16, 17, 128, 129, 1024, 1025) if torch.cuda.is_available() else (1, 7, 33)

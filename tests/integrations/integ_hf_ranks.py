@@ -137,3 +137,54 @@ def suite(rank: int, world: int, folders: dict[str, str], backend: str, extras: 
         reports["_refusals"] = refusals(rank, world, first)
         reports["_backward"] = backward(rank, world, first)
     return reports
+
+
+def _site_rows(step: Any, pool: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``pool`` rows of this rank's partial sums for a site, and the residual rows (the same on every
+    rank; none for a sandwich norm, whose op adds none)."""
+    h, dtype = step.hidden, step.dtype
+    g = torch.Generator().manual_seed(seed)
+    partials = [torch.randn(pool, h, generator=g) for _ in range(dist.get_world_size())]
+    residual = (torch.randn(pool, h, generator=g) * 2).to(dtype)
+    return partials[rank].to(dtype), residual if step.op.problem.add_residual else None
+
+
+def batch_invariance(rank: int, world: int, folder: str, backend: str | None) -> dict[str, Any]:
+    """fuse() in batch-invariant mode with max_tokens 8: every site, fed the same rows alone and inside
+    batches of 3, 8 (fused), 9 and 19 (above the budget: the op in chunks), gives each row bitwise the
+    same new residual and normed output. Then whole sequences: alone and batched, the logits agree
+    bitwise wherever the unfused model's own logits do (CPU GEMMs may block by batch size)."""
+    pool, sizes = 19, (1, 3, 8, 9, 19)
+    config = arnorm.Config(batch_invariant=True)
+    report: dict[str, Any] = {"sites": 0}
+    with torch.no_grad():
+        model = hm.load(folder, torch.bfloat16, tp=world)
+        ids = _ids(3, 4)
+        unfused_batch = model(ids).logits
+        unfused_alone = torch.cat([model(ids[i : i + 1]).logits for i in range(3)])
+        with fuse(model, dist.group.WORLD, max_tokens=8, backend=backend, config=config) as handle:
+            report["backends"] = sorted(set(handle.backends(1).values()) | set(handle.backends(19).values()))
+            report["explain_above"] = handle.explain(19).splitlines()[0]
+            for layer, role, name, step in handle._sites:
+                x, res = _site_rows(step, pool, rank, seed=layer * 10 + len(role))
+                alone = []
+                for i in range(pool):
+                    r = None if res is None else res[i : i + 1].clone().view(1, 1, -1)
+                    new, normed = step(x[i : i + 1].clone().view(1, 1, -1), r)
+                    alone.append((new.reshape(1, -1).clone(), normed.reshape(1, -1).clone()))
+                for size in sizes:
+                    rows = [(size * 5 + j) % pool for j in range(size)]
+                    r = None if res is None else res[rows].clone().view(1, size, -1)
+                    new, normed = step(x[rows].clone().view(1, size, -1), r)
+                    want_new = torch.cat([alone[i][0] for i in rows])
+                    want_normed = torch.cat([alone[i][1] for i in rows])
+                    assert torch.equal(new.reshape(size, -1), want_new), f"{name} T={size}: residual"
+                    assert torch.equal(normed.reshape(size, -1), want_normed), f"{name} T={size}: normed"
+                report["sites"] += 1
+            fused_batch = model(ids).logits
+            fused_alone = torch.cat([model(ids[i : i + 1]).logits for i in range(3)])
+    report["unfused_invariant"] = torch.equal(unfused_batch, unfused_alone)
+    report["fused_invariant"] = torch.equal(fused_batch, fused_alone)
+    if report["unfused_invariant"]:
+        assert report["fused_invariant"], "logits: the model is invariant here, the fused model is not"
+    return report

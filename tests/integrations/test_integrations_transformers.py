@@ -213,3 +213,23 @@ def test_max_tokens_must_be_a_positive_int(bad):
     """max_tokens is checked first, named in the error."""
     with pytest.raises(arnorm.InvalidInputError, match=r"^max_tokens: "):
         fuse(hm.make("llama"), arnorm.LOCAL, max_tokens=bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "backend"), [("llama", "reference"), ("gemma2", "reference"), ("qwen3", "triton")]
+)
+def test_batch_invariant_fuse_at_tp2(saved, family, backend):
+    """TP 2, Config(batch_invariant=True): every fused site gives each row the same bits alone and in
+    batches of 3, 8, 9 and 19 (max_tokens 8: above it the op runs in chunks, not the unfused path), and
+    the logits of a sequence alone and in a batch agree wherever the unfused model's do."""
+    import integ_hf_ranks
+
+    report = run_ranks(2, integ_hf_ranks.batch_invariance, saved[family], backend, env=RANK_ENV,
+                       timeout=600)[0]  # fmt: skip
+    assert report["sites"] == (8 if family == "gemma2" else 4), report
+    assert report["backends"] == [backend], report
+    assert report["explain_above"] == (
+        "19 tokens: above max_tokens=8, every site runs its op in chunks of 8 (batch invariant)"
+    )
+    assert report["fused_invariant"] or not report["unfused_invariant"], report

@@ -146,6 +146,16 @@ class TestUndeclaredWorldRequired(ConformanceSuite):
     backend = "pl_only_four_ranks"
     world_sizes = (1, 2)
     require = True
+
+
+class TestInvariant(ConformanceSuite):
+    backend = "pl_invariant"
+    world_sizes = (1, 2)
+
+
+class TestSizeGated(ConformanceSuite):
+    backend = "pl_size_gated"
+    world_sizes = (1, 2)
 """
 
 
@@ -200,6 +210,10 @@ def test_correct_backend_passes_on_one_and_two_ranks(report):
         "test_matches_reference[2]": "passed",
         "test_matches_reference[4]": "skipped",
         "test_bad_inputs_raise_everywhere_and_leave_op_usable": "passed",
+        # cf_good does not declare batch_invariant: nothing to check.
+        "test_batch_invariant[1]": "skipped",
+        "test_batch_invariant[2]": "skipped",
+        "test_batch_invariant[4]": "skipped",
     }, report
 
 
@@ -242,7 +256,9 @@ def test_broken_backend_is_a_failure_not_a_skip(report, cls, expected):
     outcome, message = report[f"{cls}.test_matches_reference[1]"]
     assert outcome == "failed" and expected in message, message
     assert report[f"{cls}.test_bad_inputs_raise_everywhere_and_leave_op_usable"][0] == "failed"
-    assert "skipped" not in {o for k, o in _outcomes(report, cls).items() if k.endswith("[1]")}
+    # (test_batch_invariant skips them: they do not declare the property.)
+    outcomes = _outcomes(report, cls).items()
+    assert "skipped" not in {o for k, o in outcomes if k.endswith("[1]") and "batch_invariant" not in k}
 
 
 def test_import_failure_fails_the_load_test_too(report):
@@ -365,3 +381,28 @@ def test_a_backend_declaring_caller_outputs_that_ignores_out_fails(report):
     assert "-not-inplace-out: the call raised" in message and "out.normed" in message, message
     assert "pl_ignores_out" in message, message
     assert {c.rsplit("-", 1)[1] for c in _failed_cases(message)} == {"out"}, message
+
+
+def test_declared_batch_invariance_that_holds_passes(report):
+    """A backend that declares batch_invariant and keeps it passes at 1 and 2 ranks."""
+    outcomes = _outcomes(report, "TestInvariant")
+    for world in (1, 2):
+        key = f"test_batch_invariant[{world}]"
+        assert outcomes[key] == "passed", report[f"TestInvariant.{key}"]
+    assert outcomes["test_batch_invariant[4]"] == "skipped"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_declared_batch_invariance_that_breaks_above_a_size_fails(report, world):
+    """A backend that declares batch_invariant but switches kernels above 64 tokens (its statistic then
+    over the unrounded sum: within the contract's 1 ulp, so test_matches_reference cannot see it)
+    fails, naming the batch size, the output, the row and the bits."""
+    outcome, message = report[f"TestSizeGated.test_batch_invariant[{world}]"]
+    assert outcome == "failed", message
+    assert "is not batch invariant" in message, message
+    assert "T=128: normed of " in message and "T=129: normed of " in message, message
+    assert "T=7:" not in message and "T=1:" not in message, message
+    assert "differs from the row computed alone" in message and "in the batch" in message, message
+    assert "T=128: residual" not in message, message
+    # The contract check alone cannot see it: every call is within 1 ulp of the reference.
+    assert report[f"TestSizeGated.test_matches_reference[{world}]"][0] == "passed"

@@ -179,6 +179,38 @@ class IgnoresOut(Planted):
         return super().__call__(hidden_states, residual, weight, scale)
 
 
+class Invariant(Planted):
+    """Correct, and declares batch_invariant: its statistic is the reference's invariant one."""
+
+    name = "pl_invariant"
+
+    def compute(self, hidden_states, residual, weight):
+        p = self.problem
+        reduced = self.comm.all_reduce_(hidden_states.float()).to(hidden_states.dtype)
+        return add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight,
+                           batch_invariant=p.batch_invariant)  # fmt: skip
+
+
+class SizeGated(Invariant):
+    """Declares batch_invariant, but above 64 tokens runs a "second kernel" that takes the norm's
+    statistic over the unrounded fp32 sum (as a size-gated two-stage kernel does), not over the
+    rounded residual: within the contract's 1 ulp, and not batch invariant."""
+
+    name = "pl_size_gated"
+
+    def compute(self, hidden_states, residual, weight):
+        h, y = super().compute(hidden_states, residual, weight)
+        if hidden_states.shape[0] <= 64 or residual is None:
+            return h, y
+        import torch
+
+        p = self.problem
+        reduced = self.comm.all_reduce_(hidden_states.float())
+        h32 = reduced + residual.float()
+        inv = torch.rsqrt(h32.square().mean(dim=-1, keepdim=True) + p.eps)
+        return h, (h.float() * inv * (weight.float() + p.weight_offset)).to(h.dtype)
+
+
 class OnlyFourRanks(Planted):
     """Correct, and declares world size 4 only."""
 
@@ -195,6 +227,9 @@ def _planted(name: str, cls: str, **caps: object) -> BackendSpec:
     )
 
 
+INVARIANT_QUANT = frozenset({"none", "fp8_per_token"})
+
+
 @hookimpl
 def arnorm_backends():
     return [
@@ -207,4 +242,6 @@ def arnorm_backends():
         _planted("pl_returns_none", "ReturnsNone"),
         _planted("pl_only_four_ranks", "OnlyFourRanks", world_sizes=frozenset({4})),
         _planted("pl_ignores_out", "IgnoresOut", caller_outputs=True),
+        _planted("pl_invariant", "Invariant", quant=INVARIANT_QUANT, batch_invariant=True),
+        _planted("pl_size_gated", "SizeGated", batch_invariant=True),
     ]

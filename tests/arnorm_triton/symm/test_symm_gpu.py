@@ -418,3 +418,12 @@ class TestTritonSymmConformance(ConformanceSuite):
     world_sizes = (2, 4)
     require = bool(os.environ.get("REQUIRE_TRITON_SYMM"))
     timeout = 600.0
+    # Batch invariance across every protocol: push up to 2 tokens (set below), the flag one-shot at
+    # 3-4, two-shot from 5 (the file's crossover of 4), and several rows per program (slots) at 129.
+    invariance_sizes = (1, 2, 3, 4, 5, 7, 33, 128, 129)
+    invariance_hidden = H
+
+    @pytest.fixture(autouse=True)
+    def _push_below_oneshot(self, monkeypatch):
+        """Push only up to 2 tokens, so the flag one-shot serves 3 and 4 (spawned ranks inherit it)."""
+        monkeypatch.setenv("ARNORM_TRITON_SYMM_PUSH_MAX_TOKENS", "2")

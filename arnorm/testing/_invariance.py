@@ -1,0 +1,223 @@
+"""The batch-invariance check one conformance case runs on each rank (docs/numerics.md, section 10).
+
+An op is built strictly on the backend with ``Config(batch_invariant=True)`` over a pool of rows
+(``max_tokens`` = the largest batch). Each row is computed alone (``T = 1``), then inside batches of
+every size asked for, at a different offset into the pool each time (a row lands at different
+positions among different neighbours); every output of every row must be bitwise the row's alone:
+the residual, the normed output, the codes and the scales that belong to the row (fp8_per_token's
+per-token scale, nvfp4's and mxfp8's block scales, read back in row order from either layout).
+fp8_static's scale and nvfp4's global scale are inputs, the same for every call: nothing to compare.
+
+The partials are random values of the dtype (not the exactly summable grid of the contract check):
+a backend whose sum order changes with T gives a different sum for some row, and so does one whose
+norm statistic is reduced in a T-dependent order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from arnorm.testing._cases import SKIP_STATUSES, Case, _device, _group
+
+__all__ = ["InvarianceResult", "run_invariance"]
+
+
+@dataclass(frozen=True)
+class InvarianceResult:
+    """One case on one rank: ``outcome`` ``"ran"`` (``failures``: what differed, empty when the row
+    outputs were all bitwise the same), ``"skipped"`` (``reasons``) or ``"error"`` (``error``)."""
+
+    case: Case
+    outcome: str
+    status: str = ""
+    reasons: tuple[str, ...] = ()
+    error: str = ""
+    failures: tuple[str, ...] = ()
+
+
+def _inputs(case: Case, pool: int, world: int, device: Any) -> tuple[list[Any], Any, Any, Any]:
+    import torch
+
+    dtype = getattr(torch, case.dtype)
+    g = torch.Generator().manual_seed(zlib.crc32(("invariance-" + case.id).encode()))
+    partials = [torch.randn(pool, case.hidden, generator=g).to(dtype).to(device) for _ in range(world)]
+    residual = (torch.randn(pool, case.hidden, generator=g) * 2).to(dtype).to(device)
+    weight = (1 + torch.randn(case.hidden, generator=g) * 0.2).to(dtype).to(device)
+    scale = None
+    if case.quant == "fp8_static":
+        scale = torch.tensor([0.02], device=device)
+    elif case.quant == "nvfp4":
+        scale = torch.tensor([448 * 6 / 6.0], device=device)
+    return partials, residual, weight, scale
+
+
+def _row_outputs(out: Any, case: Case) -> dict[str, Any]:
+    """Each output as ``[T, ...]`` tensors of bytes, one row per token (scales in row order)."""
+    import torch
+
+    from arnorm.quant._layout import from_layout
+
+    t = out.residual.shape[0]
+    rows = {"residual": out.residual}
+    if out.normed is not None:
+        rows["normed"] = out.normed
+    q = out.quant
+    if q is not None:
+        rows["codes"] = q.data.view(torch.uint8).reshape(t, -1)
+        if case.quant == "fp8_per_token":
+            rows["scales"] = q.scale.reshape(t, -1)
+        elif case.quant in ("nvfp4", "mxfp8"):
+            k = case.hidden // (16 if case.quant == "nvfp4" else 32)
+            rows["scales"] = from_layout(q.scale.view(torch.uint8), q.layout, t, k)
+    return {name: _bits(v) for name, v in rows.items()}
+
+
+def _bits(t: Any) -> Any:
+    """Integer bit patterns (NaN payloads and signed zeros compare as the bits they are)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()]).cpu()
+
+
+def _offset(size: int, pool: int) -> int:
+    """Where a batch of ``size`` rows starts in the pool: different per size, so a row is seen at
+    different positions (program ids, slots, two-shot owners) among different neighbours."""
+    return (size * 37 + 11) % pool
+
+
+def _compare(alone: dict[str, Any], got: dict[str, Any], rows: list[int], size: int) -> list[str]:
+    import torch
+
+    out = []
+    for name, batch in got.items():
+        ref = alone[name][rows]
+        if torch.equal(ref, batch):
+            continue
+        diff = (ref != batch).reshape(len(rows), -1)
+        bad = diff.any(dim=1).nonzero().flatten().tolist()
+        j = bad[0]
+        col = int(diff[j].nonzero()[0])
+        mask = (1 << (8 * ref.element_size())) - 1
+        a, b = (
+            int(ref.reshape(len(rows), -1)[j, col]) & mask,
+            int(batch.reshape(len(rows), -1)[j, col]) & mask,
+        )
+        out.append(
+            f"T={size}: {name} of {len(bad)} of {size} rows differs from the row computed alone; first: "
+            f"batch row {j} (pool row {rows[j]}), column {col}: {b:#x} in the batch, {a:#x} alone "
+            "(needs bitwise the same: the backend declares batch_invariant)"
+        )
+    return out
+
+
+def _build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, InvarianceResult | None]:
+    import torch
+
+    import arnorm
+
+    try:
+        op = arnorm.AllReduceNorm(
+            _group(),
+            hidden_size=case.hidden,
+            dtype=getattr(torch, case.dtype),
+            norm=arnorm.RMSNorm(1e-6, case.weight_offset, case.round_before_weight),
+            quant=case.quant,
+            scale_layout=case.layout,
+            max_tokens=max_tokens,
+            backend=backend,
+            device=device,
+            add_residual=case.add_residual,
+            config=arnorm.Config(batch_invariant=True),
+        )
+    except arnorm.SelectionError as exc:
+        verdict = exc.explanation.verdict(backend) if exc.explanation is not None else None
+        if verdict is None:
+            return None, InvarianceResult(case, "error", error=f"{type(exc).__name__}: {exc}")
+        outcome = "skipped" if verdict.status in SKIP_STATUSES else "error"
+        reasons = verdict.reasons or ("(no reason given)",)
+        error = "" if outcome == "skipped" else f"{verdict.status}: " + "; ".join(reasons)
+        return None, InvarianceResult(case, outcome, status=verdict.status, reasons=reasons, error=error)
+    except Exception:
+        return None, InvarianceResult(
+            case, "error", error=f"building the op raised:\n{traceback.format_exc()}"
+        )
+    return op, None
+
+
+def invariance_case(backend: str, case: Case, sizes: tuple[int, ...], rank: int, world: int,
+                    device: Any) -> InvarianceResult:  # fmt: skip
+    """Rows alone, then in batches of each of ``sizes``; see the module docstring."""
+    import torch
+
+    pool = max(sizes)
+    op, failed = _build(backend, case, device, pool)
+    if failed is not None:
+        return failed
+    try:
+        partials, residual, weight, scale = _inputs(case, pool, world, device)
+        x = partials[rank]
+        res = residual if case.add_residual else None
+
+        def call(rows: list[int]) -> dict[str, Any]:
+            out = op(x[rows].clone(), None if res is None else res[rows].clone(), weight, scale)
+            return _row_outputs(out, case)
+
+        singles = [call([i]) for i in range(pool)]
+        alone = {name: torch.cat([s[name] for s in singles]) for name in singles[0]}
+        failures: list[str] = []
+        for size in sizes:
+            start = _offset(size, pool)
+            rows = [(start + j) % pool for j in range(size)]
+            failures += _compare(alone, call(rows), rows, size)
+        return InvarianceResult(case, "ran", failures=tuple(failures))
+    except Exception:
+        return InvarianceResult(case, "error", error=f"a call raised:\n{traceback.format_exc()}")
+    finally:
+        op.close()
+
+
+def run_invariance(rank: int, world: int, backend: str, cases: list[Case], sizes: tuple[int, ...],
+                   device: str) -> list[InvarianceResult]:  # fmt: skip
+    """Every case on this rank (the entry point ``run_ranks`` spawns)."""
+    dev = _device(device)
+    return [invariance_case(backend, c, sizes, rank, world, dev) for c in cases]
+
+
+def invariance_cases(caps: Any, hidden: int) -> list[Case]:
+    """One case per declared format and layout, for the first declared dtype, at ``hidden`` (raised to
+    the format's multiples); the norms rotate through plain and Gemma, with ``round_before_weight``
+    and ``add_residual=False`` once each where declared."""
+    import math
+
+    from arnorm.plugin import format_spec
+
+    dtype = sorted(caps.dtypes)[0]
+    layouts = {"nvfp4": ("swizzled_128x4", "linear"), "mxfp8": ("linear", "swizzled_128x4")}
+    out: list[Case] = []
+    for quant in sorted(caps.quant):
+        q = None if quant == "none" else quant
+        if quant in caps.quant_dtypes and dtype not in caps.quant_dtypes[quant]:
+            continue
+        block = format_spec(q).hidden_multiple if q else 1
+        multiple = math.lcm(caps.quant_hidden_multiple.get(quant, caps.hidden_multiple), block)
+        h = max(hidden, caps.min_hidden)
+        h += -h % multiple
+        if caps.max_hidden is not None and h > caps.max_hidden:
+            continue
+        for layout in layouts.get(quant, (None,)):
+            if layout is not None and layout not in caps.scale_layouts:
+                continue
+            i = len(out)
+            offsets = sorted(caps.weight_offsets) if caps.weight_offsets is not None else [0.0, 1.0]
+            case = Case(1, h, dtype, q, layout, float(offsets[i % len(offsets)]))
+            if i == 1 and caps.round_before_weight:
+                case = dataclasses.replace(case, round_before_weight=True)
+            if i == 2 and caps.residual_free:
+                case = dataclasses.replace(case, add_residual=False)
+            out.append(case)
+    return out
