@@ -64,7 +64,8 @@ class Log:
     """Events appended to a JSON file after each one, so a rank killed later still leaves them."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.events, self.t0 = path, [], time.monotonic()
+        self.path, self.t0 = path, time.monotonic()
+        self.events: list[dict[str, Any]] = []
 
     def add(self, **event: Any) -> None:
         event["t_s"] = round(time.monotonic() - self.t0, 3)
