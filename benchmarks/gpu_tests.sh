@@ -4,7 +4,7 @@
 #     bash benchmarks/gpu_tests.sh            # SHARDS=8 TIMEOUT=300 by default
 #
 # Sources benchmarks/gpu_setup.sh, collects the tests marked `gpu` anywhere (not `multigpu`: those
-# need several GPUs, and benchmarks/gpu_two_gpu_round.sh runs them) and every other test of the
+# need several GPUs, and benchmarks/gpu_multi_round.sh runs them) and every other test of the
 # Triton backends (which compile for the GPU when one is present), and runs them in SHARDS parallel
 # pytest processes (contiguous chunks, so a kernel variant's cases compile once). Tests that start
 # several ranks on the one GPU (triton_symm's, with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1)

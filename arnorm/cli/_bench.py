@@ -7,7 +7,9 @@ For one problem (TP size, hidden size, dtype, quant format) it times, per token 
   :mod:`arnorm.quant` when a format is set;
 - each backend through ``arnorm.AllReduceNorm(..., backend=name)`` (strict). By default: every
   backend a local explain finds eligible here; a requested backend that is not eligible, or fails
-  to build, is reported with its reasons and not timed.
+  to build, is reported with its reasons and not timed;
+- ``auto`` (when ``--backends`` names it): the op built without ``backend=``, so selection picks
+  per token count; its rows say which backend it ran, so it can be held against the fastest.
 
 Ranks are spawned with :func:`arnorm.testing.run_ranks` (gloo on CPU, NCCL when at least ``--tp``
 GPUs exist); under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the
@@ -46,6 +48,8 @@ __all__ = [
 ]
 
 EPS = 1e-6
+#: The ``--backends`` entry that times the op built without ``backend=`` (selection per token count).
+AUTO = "auto"
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: The token sweep when ``--tokens`` is not given, by "on a GPU".
 DEFAULT_TOKENS = {False: "1,16,128,1024", True: "1,16,128,1024,8192"}
@@ -134,6 +138,18 @@ def select_backends(
         if not v.is_usable and names is not None
     }
     return eligible, rejected
+
+
+def _timed_backends(
+    problem: Problem, names: Sequence[str] | None
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """:func:`select_backends`, with ``auto`` (not a backend: the op built without ``backend=``)
+    kept where it was asked for and left out of the eligibility check."""
+    if names is None or AUTO not in names:
+        return select_backends(problem, names)
+    named = [n for n in names if n != AUTO]
+    eligible, rejected = select_backends(problem, named) if named else ([], {})
+    return [n for n in names if n in eligible or n == AUTO], rejected
 
 
 def rejection(exc: BaseException, backend: str | None) -> dict[str, Any]:
@@ -244,6 +260,8 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             progress.advance(f"{name} T={t}")
             entry: dict[str, Any] = {"backend": name, "tokens": t, "samples_us": [], "error": None}
             served = op.explain(t) if op is not None else None
+            if name == AUTO and served is not None:
+                entry["picked"] = served.token_backend
             if served is not None and served.token_backend is None:
                 entry["error"] = "; ".join(r for _, rs in served.token_reasons for r in rs)
             else:
@@ -253,9 +271,9 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     sweep(BASELINE, baseline, None)
     for name in names:
         try:
-            op = arnorm.AllReduceNorm(group, **common, backend=name)
+            op = arnorm.AllReduceNorm(group, **common, backend=None if name == AUTO else name)
         except arnorm.ArnormError as exc:
-            rejected[name] = rejection(exc, name)
+            rejected[name] = rejection(exc, None if name == AUTO else name)
             progress.advance(f"{name}: not eligible", len(tokens))
             continue
         try:
@@ -315,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
             f"--backends: {args.backends!r} names no backend (needs a name or a comma list; leave it out to "
             "time every eligible backend)"
         )
-    backends, rejected = select_backends(problem, names)
+    backends, rejected = _timed_backends(problem, names)
     from arnorm._config import load_config
     from arnorm.registry._select import Preference
 

@@ -44,6 +44,8 @@ def combine(
         per = [r["results"][i]["samples_us"] for r in per_rank]
         samples = [max(v) for v in zip(*per, strict=True)]
         row = {"backend": entry["backend"], "tokens": entry["tokens"], "error": entry["error"]}
+        if "picked" in entry:  # the auto row: the backend selection ran at this token count
+            row["picked"] = entry["picked"]
         notes = {r["results"][i].get("note") for r in per_rank} - {None}
         row["note"] = "; ".join(sorted(notes)) or None
         if "restore_us" in entry:
@@ -105,7 +107,10 @@ def render_table(report: dict[str, Any]) -> str:
             speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         else:
             cells, speed = ("n/a", r["error"] or "-"), "-"
-        picked = f"<- {mark}" if report["auto"].get(str(r["tokens"])) == r["backend"] else ""
+        if "picked" in r:
+            picked = f"ran {r['picked'] or 'nothing'}"
+        else:
+            picked = f"<- {mark}" if report["auto"].get(str(r["tokens"])) == r["backend"] else ""
         rows.append((str(r["tokens"]), r["backend"], *cells, speed, picked))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     right = (True, False, True, False, True, False)

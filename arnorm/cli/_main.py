@@ -458,7 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="untimed calls per point (default 3 on CPU, 20 on GPU)",
     )
     bench.add_argument(
-        "--backends", default=None, help="comma list to time (default: every backend eligible here)"
+        "--backends",
+        default=None,
+        help="comma list to time (default: every backend eligible here); 'auto' times the op built "
+        "without backend= and says which backend it ran per token count",
     )
     bench.add_argument(
         "--device",

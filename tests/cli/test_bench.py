@@ -43,7 +43,7 @@ def bench_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("bench")
     js, png = out_dir / "bench.json", out_dir / "bench.png"
     argv = ["bench", "--tp", "2", "--hidden", "64", "--tokens", "1,8", "--iters", "3", "--warmup", "1"]
-    argv += ["--device", "cpu", "--backends", ",".join([*_names(), "flashinfer"]), "--json", str(js)]
+    argv += ["--device", "cpu", "--backends", ",".join([*_names(), "flashinfer", "auto"]), "--json", str(js)]
     if HAS_PLOT:
         argv += ["--plot", str(png)]
     buf = io.StringIO()
@@ -66,7 +66,7 @@ def test_table_has_every_backend_and_the_baseline_per_token_count(bench_run):
         r"^\|\s+(\d+) \| (\S+)\s+\|\s+([\d.]+) \| ([\d.]+)-([\d.]+)\s+\|\s+([\d.]+)x", out, re.M
     )
     seen = {(int(t), b) for t, b, *_ in rows}
-    assert seen == {(t, b) for t in TOKENS for b in ("baseline", *_names())}
+    assert seen == {(t, b) for t in TOKENS for b in ("baseline", *_names(), "auto")}
     assert all(float(lo) <= float(med) <= float(hi) for _, _, med, lo, hi, _ in rows)
     assert re.search(r"^auto mode picks: T=1: \S+( \(not timed\))?, T=8: \S+( \(not timed\))?$", out, re.M)
 
@@ -78,7 +78,7 @@ def test_json_holds_every_sample(bench_run):
     report = json.loads(js.read_text())
     assert (report["tp"], report["hidden"], report["tokens"], report["iters"]) == (2, 64, [1, 8], 3)
     points = {(r["backend"], r["tokens"]): r for r in report["results"]}
-    assert set(points) == {(b, t) for t in TOKENS for b in ("baseline", *_names())}
+    assert set(points) == {(b, t) for t in TOKENS for b in ("baseline", *_names(), "auto")}
     for r in points.values():
         assert len(r["samples_us"]) == 3 and len(r["rank_samples_us"]) == 2
         assert r["samples_us"] == [max(v) for v in zip(*r["rank_samples_us"], strict=True)]
@@ -129,7 +129,7 @@ def test_table_marks_auto_picks_and_says_when_one_was_not_timed(bench_run):
     report = json.loads(js.read_text())
     report["auto"] = {"1": "reference", "8": "elsewhere"}
     table = _bench_report.render_table(report)
-    assert re.search(r"^\|\s+1 \| reference\s+\|.*\| <- auto \|$", table, re.M), table
+    assert re.search(r"^\|\s+1 \| reference\s+\|.*\| <- auto\s+\|$", table, re.M), table
     assert not re.search(r"^\|\s+8 \|.*<- auto", table, re.M), table
     assert "auto mode picks: T=1: reference, T=8: elsewhere (not timed)" in table.splitlines()
 
@@ -155,6 +155,26 @@ def test_picks_are_labelled_by_what_chose_them(tmp_path, capsys):
     if HAS_PLOT:
         legend = _bench_report.plot_figure(report).axes[0].get_legend().get_texts()
         assert "ARNORM_BACKEND's pick" in [t.get_text() for t in legend]
+
+
+def test_auto_in_backends_times_the_auto_mode_op_and_names_what_it_ran(bench_run):
+    """``--backends ...,auto`` times the op built without backend=: one row per token count, its
+    auto column naming the backend selection ran there (the one auto mode picks), never 'unknown'."""
+    _, out, js, _ = bench_run
+    report = json.loads(js.read_text())
+    assert "auto" not in report["rejected"] and "auto" in report["timed"]
+    for t in TOKENS:
+        (row,) = [r for r in report["results"] if r["backend"] == "auto" and r["tokens"] == t]
+        assert row["samples_us"] and row["picked"] == report["auto"][str(t)], row
+        assert re.search(rf"^\|\s+{t} \| auto\s+\|.*\| ran {row['picked']}\s+\|$", out, re.M), out
+
+
+def test_auto_is_kept_in_place_and_not_looked_up_as_a_backend(clean_env):
+    """'auto' is not a registered backend: it is timed where it was named, the others checked as usual."""
+    problem = _bench.make_problem(2, 64, "bfloat16", None, 8, cuda=False)
+    names, rejected = _bench._timed_backends(problem, ["auto", "nosuch", "reference"])
+    assert names == ["auto", "reference"] and set(rejected) == {"nosuch"}
+    assert _bench._timed_backends(problem, ["auto"]) == (["auto"], {})
 
 
 @pytest.mark.slow
