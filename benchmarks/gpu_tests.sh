@@ -9,6 +9,7 @@
 # pytest processes (contiguous chunks, so a kernel variant's cases compile once). Tests that start
 # several ranks on the one GPU (triton_symm's, with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1)
 # run among them: they prove the code correct and graph-safe, never fast.
+# ONLY / EXCLUDE: extended regular expressions over the test ids, to run part of the suite.
 # Writes $OUT/gpu-tests.log and a one-line summary to $OUT/summary.txt.
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
@@ -21,7 +22,8 @@ export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
   python3 -m pytest -q -p no:cacheprovider --collect-only -m "gpu and not multigpu" tests 2>/dev/null
   python3 -m pytest -q -p no:cacheprovider --collect-only -m "not multigpu and not rocm and not slow" \
     tests/arnorm_triton 2>/dev/null
-} | grep '::' | awk '!seen[$0]++' > /tmp/gpu-test-ids.txt
+} | grep '::' | awk '!seen[$0]++' | grep -E "${ONLY:-.}" | { grep -v -E "${EXCLUDE:-^$}" || true; } \
+  > /tmp/gpu-test-ids.txt
 NIDS=$(wc -l < /tmp/gpu-test-ids.txt)
 CHUNK=$(( (NIDS + SHARDS - 1) / SHARDS ))
 for i in $(seq 0 $((SHARDS - 1))); do
