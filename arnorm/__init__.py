@@ -31,6 +31,7 @@ from arnorm._errors import (
     InferenceOnlyError,
     InvalidInputError,
     NoEligibleBackendError,
+    PeerError,
     SelectionError,
 )
 from arnorm._explain import STATUSES, Explanation, Verdict
@@ -71,6 +72,7 @@ __all__ = [
     "LocalGroup",
     "NoEligibleBackendError",
     "Output",
+    "PeerError",
     "QuantizedActivation",
     "RMSNorm",
     "SelectionError",

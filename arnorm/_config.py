@@ -59,6 +59,9 @@ class Config(BaseSettings):
     ``check_calls``    ``ARNORM_CHECK_CALLS``     compare every call's fingerprint across ranks
                                                   before its collective; slow, for debugging (off)
     ``probe_timeout``  ``ARNORM_PROBE_TIMEOUT``   seconds a backend's probe may take (15)
+    ``peer_timeout``   ``ARNORM_PEER_TIMEOUT``    seconds construction and a CPU (gloo) call wait
+                                                  for the other ranks before raising
+                                                  :class:`arnorm.PeerError` (600)
     ``accelerate``     ``ARNORM_ACCELERATE``      test valid calls in arnorm's C helper, built
                                                   once with Python's C compiler (on)
     ``settings``       (code only)                per-backend settings overrides,
@@ -83,6 +86,16 @@ class Config(BaseSettings):
         allow_inf_nan=False,
         description="Seconds a backend's probe may take before it is rejected "
         "(FlashInfer's import alone took 5 s on an H200; JIT builds belong in create()).",
+    )
+    peer_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Seconds construction (and a call on a gloo group, or its ARNORM_CHECK_CALLS "
+        "agreement) waits for the other ranks before raising PeerError naming the missing ones: long "
+        "enough for a first-use JIT build on a peer (FlashInfer's takes ~6 minutes on a fresh machine), "
+        "far below the process group's 30 minutes.",
     )
     accelerate: bool = Field(
         default=True,

@@ -16,6 +16,7 @@ from arnorm._custom_op import register_handle, unregister_handle
 from arnorm._discovery import ArnormWarning, get_registry, plugin_failure
 from arnorm._errors import ArnormError, InvalidInputError
 from arnorm._explain import Explanation
+from arnorm._faults import claim_group, release, track
 from arnorm._op_call import call, call_without_residual
 from arnorm._out import CopyInto, OutRules, OutTrust, empty_output
 from arnorm._problem import Problem
@@ -29,6 +30,28 @@ if TYPE_CHECKING:
 __all__ = ["AllReduceNorm"]
 
 _building = threading.Lock()
+
+
+def open_agreement(comm: Comm, config: Any) -> None:
+    """Agreement through the store, bounded by ``peer_timeout`` (the environment's when ``config``
+    is not a Config yet: a malformed one is reported through the agreement itself)."""
+    from arnorm._rendezvous import Channel, default_store
+
+    store = default_store()
+    if store is None:
+        return
+    timeout = config.peer_timeout if isinstance(config, Config) else _env_peer_timeout()
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(comm.group))
+    comm.channel = Channel(store, ranks, comm.rank, timeout)
+
+
+def _env_peer_timeout() -> float:
+    try:
+        return float(Config().peer_timeout)
+    except ArnormError:
+        return float(Config.model_fields["peer_timeout"].default)
 
 
 def warn_unknown_names(pref: Preference, registry: Any, stacklevel: int = 5) -> None:
@@ -132,6 +155,9 @@ class AllReduceNorm:
         self._table: list[Any] = []
         self._into_table: list[Any] = []
         self._fast_table: list[Any] = []
+        self._poisoned: str | None = None
+        self._group_name = ""
+        self._owner = 0
         if not _building.acquire(blocking=False):
             msg = (
                 "AllReduceNorm: built from two threads at once "
@@ -141,6 +167,9 @@ class AllReduceNorm:
         try:
             self._build(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output,
                         inplace, scale_layout, device, cpu_group, config, add_residual)  # fmt: skip
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
         finally:
             _building.release()
 
@@ -159,6 +188,13 @@ class AllReduceNorm:
         except ArnormError as exc:
             error, dev = exc, torch.device("cpu")
         comm = Comm.resolve(tp_group, dev, cpu_group)
+        self._comm = comm
+        if comm.world_size > 1:
+            # Before anything is sent: a call or construction from the wrong thread raises on this
+            # rank alone, and every rank running the same program raises it alike.
+            self._group_name = str(getattr(comm.group, "group_name", id(comm.group)))
+            self._owner = claim_group(self._group_name, self)
+            open_agreement(comm, config)
         registry = get_registry()
         try:
             if error is not None:
@@ -176,9 +212,16 @@ class AllReduceNorm:
             settings = load_settings(registry, config)
             warn_unknown_names(pref, registry)
             facts = agreement_facts(problem, pref, config, settings)
+            if comm.world_size > 1:
+                # Ranks passing different group objects over the same ranks (WORLD on one, a
+                # new_group on another) would never meet in a data collective.
+                facts["tp_group"] = self._group_name
+                facts["cpu_group"] = str(getattr(comm.cpu_group, "group_name", ""))
         except ArnormError as exc:
             error = exc
         agree(comm, facts, error)
+        if config is not None and isinstance(config, Config):
+            comm.open_data(config.peer_timeout)
         plan = select(problem, comm, config, pref, registry, settings)
         self._problem, self._comm, self._device = problem, comm, dev
         caps = [registry.get(n).spec.capabilities for n in plan.explanation.chain]  # type: ignore[union-attr]
@@ -254,7 +297,22 @@ class AllReduceNorm:
 
             self._accept = accelerator().accept
         self._handle = register_handle(self)
+        if comm.world_size > 1:
+            # The C helper does not compare threads; no built-in backend has a fast path at TP > 1.
+            self._accept = None
+        track(self)
+        if comm.channel is not None:
+            comm.channel.phase = "calling"
         self._closed = False
+
+    def _abandon(self, exc: BaseException) -> None:
+        """Construction failed on this rank: release the group and tell peers still waiting."""
+        if self._group_name:
+            release(self._group_name, self)
+        channel = getattr(getattr(self, "_comm", None), "channel", None)
+        if channel is not None:
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            channel.abandon(f"peers: rank {channel.rank} abandoned building {channel.describe()}: {what}")
 
     # -- calls (arnorm._op_call) -------------------------------------------------------------
 
@@ -349,6 +407,8 @@ class AllReduceNorm:
         if self._closed:
             return
         self._closed = True
+        if self._group_name:
+            release(self._group_name, self)
         self._table[:] = [None] * len(self._table)
         self._into_table[:] = [None] * len(self._into_table)
         self._fast_table[:] = [None] * len(self._fast_table)

@@ -11,11 +11,15 @@ the data pointers the test already read, so neither side reads them twice. These
 
 from __future__ import annotations
 
+import sys
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from arnorm._call import agree_call, guard, no_backend
+from arnorm._comm import CALL_CODES
 from arnorm._custom_op import call_custom_op
 from arnorm._errors import InvalidInputError
+from arnorm._faults import call_failed, thread_error
 from arnorm._out import check_out_tensors, copy_into
 from arnorm._types import Output
 from arnorm._validate import check_call
@@ -69,6 +73,9 @@ def call(
             check_out_tensors(self._out_rules, out, hidden_states.shape[0])
         result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
         return result if out is None else copy_into(result, out, self._inplace)
+    owner = self._owner  # 0 at TP 1; else the thread that owns the group (arnorm._faults)
+    if owner and owner != get_ident():
+        raise thread_error(owner)
     declined = False  # the backend's fast path returned None for this call: __call__ serves it
     accept = self._accept  # None with check_calls, or without the C helper
     if accept is not None:  # the C helper: this function's test (a subset of it), then fast(...)
@@ -166,7 +173,11 @@ def call(
                 self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
                 checked = True
         if fast is not None and ok and not declined:
-            result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
+            try:
+                result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
+            except BaseException as exc:
+                call_failed(self, exc, sys._getframe())
+                raise
             if result is not None:
                 return guard(result, hidden_states, residual, weight) if grad else result
         if not ok:
@@ -178,12 +189,16 @@ def call(
         impl = self._table[t]
         if impl is None:
             raise self._closed_error() if self._closed else no_backend(t)
-        if out is None:
-            result = impl(hidden_states, residual, weight, scale)
-        else:
-            if not checked:
-                self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
-            result = self._into_table[t](hidden_states, residual, weight, scale, out)
+        if not checked:
+            self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
+        try:
+            if out is None:
+                result = impl(hidden_states, residual, weight, scale)
+            else:
+                result = self._into_table[t](hidden_states, residual, weight, scale, out)
+        except BaseException as exc:
+            call_failed(self, exc, sys._getframe())
+            raise
         return guard(result, hidden_states, residual, weight) if grad else result
     finally:
         token.append(None)
@@ -265,7 +280,11 @@ def call_without_residual(
                 self._out_trust.check(out, t, (hidden_states, None, weight, scale))
                 checked = True
         if fast is not None and ok:
-            result = fast(t, hidden_states, None, weight, scale, out, hp, 0, wp, sp)
+            try:
+                result = fast(t, hidden_states, None, weight, scale, out, hp, 0, wp, sp)
+            except BaseException as exc:
+                call_failed(self, exc, sys._getframe())
+                raise
             if result is not None:
                 return guard(result, hidden_states, None, weight) if grad else result
         if not ok:
@@ -275,12 +294,16 @@ def call_without_residual(
         impl = self._table[t]
         if impl is None:
             raise self._closed_error() if self._closed else no_backend(t)
-        if out is None:
-            result = impl(hidden_states, None, weight, scale)
-        else:
-            if not checked:
-                self._out_trust.check(out, t, (hidden_states, None, weight, scale))
-            result = self._into_table[t](hidden_states, None, weight, scale, out)
+        if not checked:
+            self._out_trust.check(out, t, (hidden_states, None, weight, scale))
+        try:
+            if out is None:
+                result = impl(hidden_states, None, weight, scale)
+            else:
+                result = self._into_table[t](hidden_states, None, weight, scale, out)
+        except BaseException as exc:
+            call_failed(self, exc, sys._getframe())
+            raise
         return guard(result, hidden_states, None, weight) if grad else result
     finally:
         token.append(None)
@@ -305,3 +328,6 @@ def trust_weight(self: AllReduceNorm, weight: Any, ptr: int) -> bool:
         self._last_weight, self._last_wptr = weight, ptr
         return True
     return False
+
+
+CALL_CODES.update((call.__code__, call_without_residual.__code__))
