@@ -154,6 +154,12 @@ class Comm:
         store = dist.PrefixStore(f"{self.channel.prefix}/data", self.channel.store)
         self._data = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=timeout))
 
+    def close_data(self) -> None:
+        """Drop the private communicator (local: the op is closed; a peer still calling it times out)."""
+        self._data = None
+        if not self._broken:
+            self._broken = "op: closed (needs a new arnorm.AllReduceNorm)"
+
     @property
     def counts_calls(self) -> bool:
         """Whether :attr:`calls` counts the op's calls (its data collectives carry headers)."""
@@ -186,7 +192,7 @@ class Comm:
 
         if self._broken:
             raise PeerError(self._broken)
-        f = sys._getframe(2)
+        f: Any = sys._getframe(2)
         for _ in range(8):  # the op's call frame, a few backend frames up
             if f is None or f.f_code in CALL_CODES:
                 break
@@ -238,7 +244,8 @@ class Comm:
         from arnorm._rendezvous import ranks_text
 
         others = [r for r in range(self.world_size) if r != self.rank]
-        peers = ranks_text(others) if len(others) == 1 else f"one or more of {ranks_text(others)}"
+        missing = others if channel is None or len(others) == 1 else channel.late_ranks(self.calls)
+        peers = ranks_text(missing) if missing else f"one or more of {ranks_text(others)}"
         timeout = channel.timeout if channel is not None else 0
         message = (
             f"peers: {peers} did not join call {self.calls} of "

@@ -129,6 +129,8 @@ class AllReduceNorm:
         InvalidInputError, ConfigError: bad arguments or settings on some rank, or ranks that
             disagree on them (raised on every rank).
         NoEligibleBackendError: no backend can serve the problem on every rank.
+        PeerError: a peer did not arrive within ``Config.peer_timeout``, abandoned construction
+            (an exception or KeyboardInterrupt there), or the op is used after a fork.
         BackendNotInstalledError, BackendBrokenError, BackendSetupError: a named backend cannot serve.
     """
 
@@ -409,6 +411,7 @@ class AllReduceNorm:
         self._closed = True
         if self._group_name:
             release(self._group_name, self)
+        self._comm.close_data()
         self._table[:] = [None] * len(self._table)
         self._into_table[:] = [None] * len(self._into_table)
         self._fast_table[:] = [None] * len(self._fast_table)

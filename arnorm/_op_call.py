@@ -58,7 +58,10 @@ def call(
             result holds ``out``'s tensors. Each is contiguous, 16-byte aligned and shares no
             byte with another or with the inputs (README, "Caller-provided outputs").
 
-    One call at a time per op: a second, concurrent call from another thread raises.
+    One call at a time per op: a second, concurrent call from another thread raises. At TP > 1,
+    calls come from the thread that owns the op's group (the one that built its first live op;
+    README, "Threads"); a call that raises part-way poisons the op on every rank
+    (:class:`arnorm.PeerError` from then on; build a new op).
 
     ``weight``, ``scale`` and ``out`` are checked in full when first seen, then trusted by
     identity and data pointer: a tensor whose pointer changes (``w.data = other``) is checked

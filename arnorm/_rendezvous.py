@@ -147,6 +147,24 @@ class Channel:
             if note is not None:
                 raise PeerError(note)
 
+    def late_ranks(self, call: int, grace: float = 1.0) -> list[int]:
+        """After this rank's wait in call ``call`` timed out: the peers that did not also report
+        waiting there within ``grace`` seconds (the ranks that were waited for)."""
+        store = self.store
+        key = f"{self.prefix}/late{call}"
+        with contextlib.suppress(Exception):
+            store.set(f"{key}/{self.rank}", "1")
+        peers = [r for r in range(self.world) if r != self.rank]
+        end = time.monotonic() + min(grace, self.timeout)
+        while True:
+            try:
+                late = [r for r in peers if not store.check([f"{key}/{r}"])]
+            except Exception:
+                return peers
+            if not late or time.monotonic() >= end:
+                return late
+            time.sleep(0.05)
+
     def where(self, rank: int) -> int:
         key = f"{self.group}/at/{rank}"
         try:

@@ -30,6 +30,25 @@ def inputs(world: int, tokens: int, seed: int):
     return partials, residual, weight
 
 
+def aligned() -> None:
+    """Discover the backends, then wait for every rank: the short peer timeouts of these tests
+    then measure the fault, not one rank's slower start-up."""
+    arnorm.backends()
+    dist.barrier()
+
+
+def stall(seconds: float) -> None:
+    """Stall (a debugger, a slow host) until rank 0 says it is done, at most ``seconds``."""
+    store = dist.distributed_c10d._get_default_store()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not store.check(["faults/done"]):
+        time.sleep(0.05)
+
+
+def done() -> None:
+    dist.distributed_c10d._get_default_store().set("faults/done", "1")
+
+
 def build(group=None, backend: str = "reference", **kw) -> arnorm.AllReduceNorm:
     return arnorm.AllReduceNorm(
         dist.group.WORLD if group is None else group,
@@ -69,6 +88,7 @@ def one_call(op, rank: int, world: int, seed: int, tokens: int = 3):
 def raise_once_then_continue(rank: int, world: int, backend: str, fail_at: int, calls: int):
     """Rank 1's backend raises MemoryError once (before its collective); every rank goes on calling,
     then builds a new op and calls it once."""
+    aligned()
     op = build(backend=backend)
     impl_type = type(op._chain[0])
     real = impl_type.__call__
@@ -91,6 +111,7 @@ def raise_once_then_continue(rank: int, world: int, backend: str, fail_at: int, 
 
 def two_ops_two_threads(rank: int, world: int, calls: int):
     """Two ops on one group, each called from its own thread at the same time."""
+    aligned()
     ops = [build(), build()]
     got: list = [[], []]
 
@@ -108,6 +129,7 @@ def two_ops_two_threads(rank: int, world: int, calls: int):
 
 def extra_op_while_calling(rank: int, world: int):
     """Rank 1 builds a second op while rank 0 calls the first one; then both build and call."""
+    aligned()
     op = build()
     first = one_call(op, rank, world, 1)
     if rank == 0:
@@ -128,20 +150,25 @@ def extra_op_while_calling(rank: int, world: int):
 
 def stall_before_call(rank: int, world: int, stall_s: float):
     """Rank 1 stalls before its second call (a debugger, a slow host); rank 0 waits for it."""
+    aligned()
     op = build()
     first = one_call(op, rank, world, 1)
     t0 = time.monotonic()
     if rank == 1:
-        time.sleep(stall_s)
+        stall(stall_s)
         return [first, ("stalled",)]
     second = one_call(op, rank, world, 2)
-    return [first, second, time.monotonic() - t0]
+    waited = time.monotonic() - t0
+    if rank == 0:
+        done()
+    return [first, second, waited]
 
 
 def stall_in_construction(rank: int, world: int, stall_s: float):
     """Rank 1 stalls before building; rank 0's construction waits for it."""
+    aligned()
     if rank == 1:
-        time.sleep(stall_s)
+        stall(stall_s)
         return [("stalled",)]
     t0 = time.monotonic()
     try:
@@ -149,11 +176,14 @@ def stall_in_construction(rank: int, world: int, stall_s: float):
         got = ("ok", "built")
     except Exception as exc:
         got = ("error", type(exc).__name__, str(exc))
-    return [got, time.monotonic() - t0]
+    waited = time.monotonic() - t0
+    done()
+    return [got, waited]
 
 
 def different_group_objects(rank: int, world: int):
     """Rank 0 passes WORLD, rank 1 a new_group of the same members."""
+    aligned()
     sub = dist.new_group(list(range(world)))
     group = dist.group.WORLD if rank == 0 else sub
     t0 = time.monotonic()
@@ -167,6 +197,7 @@ def different_group_objects(rank: int, world: int):
 
 def forked_child_calls(rank: int, world: int):
     """Each rank forks after building; the child calls the parent's op (and must raise at once)."""
+    aligned()
     import multiprocessing as mp
 
     op = build()
@@ -195,6 +226,7 @@ def forked_child_calls(rank: int, world: int):
 
 def interrupted_construction(rank: int, world: int, where: str):
     """A KeyboardInterrupt inside rank 1's construction (at ``where``), then both ranks build again."""
+    aligned()
     import arnorm._select as sel
 
     real = getattr(sel, where)
@@ -227,6 +259,7 @@ def interrupted_construction(rank: int, world: int, where: str):
 
 def fused_over_budget_on_one_rank(rank: int, world: int):
     """fused_allreduce_norm: rank 0 calls with more tokens than the cached op's budget, rank 1 within it."""
+    aligned()
     from arnorm._oneshot import fused_allreduce_norm
 
     def fused(tokens, seed):
@@ -248,6 +281,7 @@ def fused_over_budget_on_one_rank(rank: int, world: int):
 
 def fused_from_two_threads(rank: int, world: int, calls: int):
     """fused_allreduce_norm called from two threads at once on the same group."""
+    aligned()
     from arnorm._oneshot import fused_allreduce_norm
 
     got: list = [[], []]
