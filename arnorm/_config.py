@@ -77,8 +77,8 @@ class Config(BaseSettings):
     disable: Names = Field(default=(), description="Backends that auto mode must not pick.")
     check_calls: bool = Field(
         default=False,
-        description="Gather a fingerprint of every call over the CPU group before its collective and "
-        "raise the same error on every rank when they differ (one small collective per call).",
+        description="Gather a fingerprint of every call through the store before its collective and "
+        "raise the same error on every rank when they differ (a few store round trips per call).",
     )
     probe_timeout: float = Field(
         default=15.0,

@@ -14,7 +14,7 @@ from arnorm._comm import Comm
 from arnorm._config import Config, load_config
 from arnorm._custom_op import register_handle, unregister_handle
 from arnorm._discovery import ArnormWarning, get_registry, plugin_failure
-from arnorm._errors import ArnormError, InvalidInputError
+from arnorm._errors import ArnormError, InvalidInputError, PeerError
 from arnorm._explain import Explanation
 from arnorm._faults import claim_group, release, track
 from arnorm._op_call import call, call_without_residual
@@ -336,6 +336,8 @@ class AllReduceNorm:
     def _check_tokens_arg(self, num_tokens: object) -> int:
         if self._closed:
             raise self._closed_error()
+        if self._poisoned is not None:
+            raise PeerError(self._poisoned)
         if (
             not isinstance(num_tokens, int)
             or isinstance(num_tokens, bool)

@@ -20,13 +20,19 @@ from arnorm._reference import add_rmsnorm, rank_order_sum
 
 H = 16
 EPS = 1e-6
+#: Where the ops and tensors live: "cpu" (gloo ranks), or "cuda" for the multigpu variants.
+DEVICE = os.environ.get("FAULTS_DEVICE", "cpu")
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
 
 
 def inputs(world: int, tokens: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    partials = [torch.randn(tokens, H, generator=g) for _ in range(world)]
-    residual = torch.randn(tokens, H, generator=g)
-    weight = torch.randn(H, generator=g) * 0.1
+    partials = [torch.randn(tokens, H, generator=g).to(device()) for _ in range(world)]
+    residual = torch.randn(tokens, H, generator=g).to(device())
+    weight = (torch.randn(H, generator=g) * 0.1).to(device())
     return partials, residual, weight
 
 
@@ -34,6 +40,8 @@ def aligned() -> None:
     """Discover the backends, then wait for every rank: the short peer timeouts of these tests
     then measure the fault, not one rank's slower start-up."""
     arnorm.backends()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     dist.barrier()
 
 
@@ -57,6 +65,7 @@ def build(group=None, backend: str = "reference", **kw) -> arnorm.AllReduceNorm:
         norm=arnorm.RMSNorm(EPS),
         max_tokens=8,
         backend=backend,
+        device=device(),  # CPU by default, also on a host with GPUs
         **kw,
     )
 
