@@ -54,7 +54,8 @@ def fused_allreduce_norm(
     call. On a TP group, calls come from the thread owning the group (README, "Threads"): the one
     that built an op on it, else the main thread, so every rank picks the same thread. With
     ``ARNORM_CHECK_CALLS``, a token count over the cached op's budget is agreed on every rank
-    before a larger op is built: on one rank only, it is the same error on every rank.
+    before a larger op is built: on one rank only, it is the same error on every rank. A cached op
+    poisoned by a failed call (:class:`arnorm.PeerError`) is rebuilt at the next call.
     """
     import torch
 
@@ -73,10 +74,12 @@ def fused_allreduce_norm(
         op = _cache.get(key)
         if op is not None and op._owner and op._owner != threading.get_ident():
             raise _thread_error(op._owner)
-        if op is None or op._closed or t > op._max_tokens:
-            if op is None or op._closed:
+        if op is None or op._closed or op._poisoned is not None or t > op._max_tokens:
+            # A poisoned op (a rank's call failed part-way; every rank's op is poisoned at the
+            # same step) is replaced by a new one, built on every rank at its next call.
+            if op is None or op._closed or op._poisoned is not None:
                 _check_first_thread(group)
-            elif op._check_calls and op._poisoned is None:
+            elif op._check_calls:
                 # The budget is per rank: a larger count on one rank only would build on that rank
                 # while the others call. Agree first, as the call itself would.
                 op._seq += 1

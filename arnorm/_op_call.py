@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from arnorm._call import agree_call, guard, no_backend
 from arnorm._comm import CALL_CODES
 from arnorm._custom_op import call_custom_op
-from arnorm._errors import InvalidInputError
+from arnorm._errors import InvalidInputError, PeerError
 from arnorm._faults import call_failed, thread_error
 from arnorm._out import check_out_tensors, copy_into
 from arnorm._types import Output
@@ -88,6 +88,8 @@ def call(
                 return result
             declined = True
     if self._check_calls:
+        if self._poisoned is not None:  # before agreeing: the peers' ops are poisoned too
+            raise PeerError(self._poisoned)
         self._seq += 1
         agree_call(
             self._comm, self._rules, self._seq, hidden_states, residual, weight, scale, out_check(self, out)

@@ -313,3 +313,33 @@ def fused_from_two_threads(rank: int, world: int, calls: int):
     for t in threads:
         t.join(60)
     return got
+
+
+def fused_recovers_after_a_failed_call(rank: int, world: int):
+    """fused_allreduce_norm: rank 1's backend raises once; the next call rebuilds on every rank."""
+    aligned()
+    from arnorm import _oneshot
+
+    def fused(seed):
+        partials, residual, weight = inputs(world, 3, seed)
+        try:
+            out = _oneshot.fused_allreduce_norm(
+                partials[rank].clone(), residual, weight, group=dist.group.WORLD, eps=EPS
+            )
+        except Exception as exc:
+            return ("error", type(exc).__name__, str(exc))
+        return ("ok", matches(out, partials, residual, weight, exact=False))
+
+    got = [fused(1)]
+    (op,) = _oneshot._cache.values()
+    impl_type = type(op._chain[0])
+    real = impl_type.__call__
+
+    def failing(self, *args, **kw):
+        impl_type.__call__ = real
+        raise MemoryError("injected: out of memory on rank 1")
+
+    if rank == 1:
+        impl_type.__call__ = failing
+    got += [fused(2), fused(3), fused(4)]
+    return got

@@ -153,3 +153,14 @@ def test_fused_allreduce_norm_from_two_threads_names_itself():
     assert_never_wrong(results)
     errors = [o for o in outcomes(results) if o[0] == "error"]
     assert all(o[1] == "InvalidInputError" and "fused_allreduce_norm" in o[2] for o in errors), errors
+
+
+def test_fused_allreduce_norm_rebuilds_its_op_after_a_failed_call():
+    """The helper's cached op is poisoned on every rank by rank 1's failure; its next call builds a
+    new op on every rank and the results are right again."""
+    results = run_ranks(2, ff.fused_recovers_after_a_failed_call, env=ENV, timeout=RUN_S)
+    assert_never_wrong(results)
+    (a0, b0, c0, d0), (a1, b1, c1, d1) = results
+    assert a0 == a1 == ("ok", True)
+    assert b1[:2] == ("error", "MemoryError") and b0[:2] == ("error", "PeerError"), (b0, b1)
+    assert c0 == c1 == d0 == d1 == ("ok", True)
