@@ -20,6 +20,7 @@ from arnorm._faults import claim_group, release, track
 from arnorm._op_call import call, call_without_residual
 from arnorm._out import CopyInto, OutRules, OutTrust, empty_output
 from arnorm._problem import Problem
+from arnorm._rendezvous import open_agreement
 from arnorm._select import Preference, agree, agreement_facts, load_settings, select
 from arnorm._types import Output, RMSNorm
 from arnorm._validate import CallRules, needs_scale
@@ -30,28 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["AllReduceNorm"]
 
 _building = threading.Lock()
-
-
-def open_agreement(comm: Comm, config: Any) -> None:
-    """Agreement through the store, bounded by ``peer_timeout`` (the environment's when ``config``
-    is not a Config yet: a malformed one is reported through the agreement itself)."""
-    from arnorm._rendezvous import Channel, default_store
-
-    store = default_store()
-    if store is None:
-        return
-    timeout = config.peer_timeout if isinstance(config, Config) else _env_peer_timeout()
-    import torch.distributed as dist
-
-    ranks = tuple(dist.get_process_group_ranks(comm.group))
-    comm.channel = Channel(store, ranks, comm.rank, timeout)
-
-
-def _env_peer_timeout() -> float:
-    try:
-        return float(Config().peer_timeout)
-    except ArnormError:
-        return float(Config.model_fields["peer_timeout"].default)
 
 
 def warn_unknown_names(pref: Preference, registry: Any, stacklevel: int = 5) -> None:

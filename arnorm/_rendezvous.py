@@ -24,7 +24,7 @@ from typing import Any
 
 from arnorm._errors import PeerError
 
-__all__ = ["Channel", "ranks_text"]
+__all__ = ["Channel", "open_agreement", "ranks_text"]
 
 #: Per process: the last build number used on each group, keyed by the group's global ranks.
 _BUILDS: dict[tuple[int, ...], int] = {}
@@ -184,3 +184,28 @@ class Channel:
 def ranks_text(ranks: list[int]) -> str:
     """``[1]`` -> ``"rank 1"``; ``[1, 3]`` -> ``"ranks 1, 3"``."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def open_agreement(comm: Any, config: Any) -> None:
+    """Agreement through the store, bounded by ``peer_timeout`` (the environment's when ``config``
+    is not a Config yet: a malformed one is reported through the agreement itself)."""
+    store = default_store()
+    if store is None:
+        return
+    from arnorm._config import Config
+
+    timeout = config.peer_timeout if isinstance(config, Config) else _env_peer_timeout()
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(comm.group))
+    comm.channel = Channel(store, ranks, comm.rank, timeout)
+
+
+def _env_peer_timeout() -> float:
+    from arnorm._config import Config
+    from arnorm._errors import ArnormError
+
+    try:
+        return float(Config().peer_timeout)
+    except ArnormError:
+        return float(Config.model_fields["peer_timeout"].default)
