@@ -30,6 +30,7 @@ from arnorm._errors import (
     InferenceOnlyError,
     InvalidInputError,
     NoEligibleBackendError,
+    PeerError,
     SelectionError,
 )
 from arnorm._protocol import FusedAllReduceNorm
@@ -72,6 +73,7 @@ __all__ = [
     "LocalGroup",
     "NoEligibleBackendError",
     "Output",
+    "PeerError",
     "QuantizedActivation",
     "RMSNorm",
     "SelectionError",

@@ -51,41 +51,29 @@ class _ExactEnvironment(PydanticBaseSettingsSource):
 class Config(BaseSettings):
     """arnorm's core settings. Fields set in code win over the environment.
 
-        field              variable                   meaning (default)
-        =================  =========================  ====================================================
-        ``backend``        ``ARNORM_BACKEND``         a name or comma list, preferred first; strict:
-                                                      only these (auto)
-        ``disable``        ``ARNORM_DISABLE``         names auto mode must not pick (none)
-        ``check_calls``    ``ARNORM_CHECK_CALLS``     compare every call's fingerprint across ranks
-                                                      before its collective; slow, for debugging (off)
-        ``probe_timeout``  ``ARNORM_PROBE_TIMEOUT``   seconds a plugin's import, and a backend's
-                                                      probe, may each take (15; at most 86400)
-        ``accelerate``     ``ARNORM_ACCELERATE``      test valid calls in arnorm's C helper, built
-                                                      once with Python's C compiler (on)
-        ``settings``       (code only)                per-backend settings overrides,
-                                                      ``{"triton": {"exact": True}}``
-        =================  =========================  ====================================================
-    =======
-        ===================  ==========================  ================================================
-        field                variable                    meaning (default)
-        ===================  ==========================  ================================================
-        ``backend``          ``ARNORM_BACKEND``          a name or comma list, preferred first; strict:
-                                                         only these (auto)
-        ``disable``          ``ARNORM_DISABLE``          names auto mode must not pick (none)
-        ``check_calls``      ``ARNORM_CHECK_CALLS``      compare every call's fingerprint across ranks
-                                                         before its collective; slow, for debugging (off)
-        ``probe_timeout``    ``ARNORM_PROBE_TIMEOUT``    seconds a plugin's import, and a backend's
-                                                         probe, may each take (15; at most 86400)
-        ``accelerate``       ``ARNORM_ACCELERATE``       test valid calls in arnorm's C helper, built
-                                                         once with Python's C compiler (on)
-        ``batch_invariant``  ``ARNORM_BATCH_INVARIANT``  a row's outputs bitwise independent of the token
-                                                         count and of the path serving it: only backends
-                                                         declaring it are selected (off)
-        ``settings``         (code only)                 per-backend settings overrides,
-                                                         ``{"triton": {"exact": True}}``
-        ===================  ==========================  ================================================
+    ===================  ==========================  ================================================
+    field                variable                    meaning (default)
+    ===================  ==========================  ================================================
+    ``backend``          ``ARNORM_BACKEND``          a name or comma list, preferred first; strict:
+                                                     only these (auto)
+    ``disable``          ``ARNORM_DISABLE``          names auto mode must not pick (none)
+    ``check_calls``      ``ARNORM_CHECK_CALLS``      compare every call's fingerprint across ranks
+                                                     before its collective; slow, for debugging (off)
+    ``probe_timeout``    ``ARNORM_PROBE_TIMEOUT``    seconds a plugin's import, and a backend's
+                                                     probe, may each take (15; at most 86400)
+    ``peer_timeout``     ``ARNORM_PEER_TIMEOUT``     seconds construction and a CPU (gloo) call wait
+                                                     for the other ranks before raising
+                                                     :class:`arnorm.PeerError` (600)
+    ``accelerate``       ``ARNORM_ACCELERATE``       test valid calls in arnorm's C helper, built
+                                                     once with Python's C compiler (on)
+    ``batch_invariant``  ``ARNORM_BATCH_INVARIANT``  a row's outputs bitwise independent of the token
+                                                     count and of the path serving it: only backends
+                                                     declaring it are selected (off)
+    ``settings``         (code only)                 per-backend settings overrides,
+                                                     ``{"triton": {"exact": True}}``
+    ===================  ==========================  ================================================
 
-        Raises :class:`arnorm.ConfigError` (naming the variable or field) for a malformed value.
+    Raises :class:`arnorm.ConfigError` (naming the variable or field) for a malformed value.
     """
 
     model_config = SettingsConfigDict(frozen=True, extra="forbid")
@@ -94,8 +82,8 @@ class Config(BaseSettings):
     disable: Names = Field(default=(), description="Backends that auto mode must not pick.")
     check_calls: bool = Field(
         default=False,
-        description="Gather a fingerprint of every call over the CPU group before its collective and "
-        "raise the same error on every rank when they differ (one small collective per call).",
+        description="Gather a fingerprint of every call through the store before its collective and "
+        "raise the same error on every rank when they differ (a few store round trips per call).",
     )
     probe_timeout: float = Field(
         default=DEFAULT_TIMEOUT,
@@ -106,6 +94,16 @@ class Config(BaseSettings):
         description="Seconds a backend's module import, and then its probe, may each take before the "
         "backend is rejected (FlashInfer's import alone took 5 s on an H200; JIT builds belong in "
         "create()); at most 86400.",
+    )
+    peer_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Seconds construction (and a call on a gloo group, or its ARNORM_CHECK_CALLS "
+        "agreement) waits for the other ranks before raising PeerError naming the missing ones: long "
+        "enough for a first-use JIT build on a peer (FlashInfer's takes ~6 minutes on a fresh machine), "
+        "far below the process group's 30 minutes.",
     )
     accelerate: bool = Field(
         default=True,

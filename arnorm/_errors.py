@@ -7,6 +7,8 @@ naturally catch, so ``except ValueError`` keeps working for bad input::
     ├── InvalidInputError          (ValueError)    bad arguments to a call or a constructor
     ├── ConfigError                (ValueError)    a Config field or ARNORM_* variable is malformed
     ├── InferenceOnlyError         (RuntimeError)  a backward pass reached the op
+    ├── PeerError                  (RuntimeError)  another rank failed, stalled or diverged: the op
+    │                                              is unusable on every rank (build a new one)
     └── SelectionError                             no backend could be chosen; carries .explanation
         ├── BackendNotInstalledError (ImportError)   a named backend is missing, unknown or too old
         ├── BackendBrokenError       (ImportError)   a named backend's plugin raised or misbehaved
@@ -34,6 +36,7 @@ __all__ = [
     "InferenceOnlyError",
     "InvalidInputError",
     "NoEligibleBackendError",
+    "PeerError",
     "SelectionError",
 ]
 
@@ -52,6 +55,13 @@ class ConfigError(ArnormError, ValueError):
 
 class InferenceOnlyError(ArnormError, RuntimeError):
     """A backward pass reached an arnorm op, which computes no gradients."""
+
+
+class PeerError(ArnormError, RuntimeError):
+    """Another rank of the op's group failed part-way through a call, stalled past
+    ``Config.peer_timeout``, forked, or built ops in a different order. Like an aborted NCCL
+    communicator, the op is unusable afterwards on every rank: close it and build a new one
+    (docs/troubleshooting.md, "When a rank fails")."""
 
 
 class SelectionError(ArnormError):

@@ -18,14 +18,25 @@ def test_env_lists_are_parsed(clean_env):
 
 def test_every_field_has_its_variable(clean_env):
     """Each core Config field but ``settings`` (code only) is set by ARNORM_<FIELD>."""
-    values = {"backend": "x", "disable": "y", "check_calls": "1", "probe_timeout": "2.5", "accelerate": "0",
-              "batch_invariant": "1"}  # fmt: skip
+    values = {
+        "backend": "x", "disable": "y", "check_calls": "1", "probe_timeout": "2.5", "accelerate": "0",
+        "peer_timeout": "30", "batch_invariant": "1",
+    }  # fmt: skip
     for field, value in values.items():
         clean_env.setenv(f"ARNORM_{field.upper()}", value)
     c = Config()
     assert set(values) | {"settings"} == set(Config.model_fields)
     assert (c.backend, c.disable, c.check_calls, c.probe_timeout) == (("x",), ("y",), True, 2.5)
     assert c.accelerate is False and c.batch_invariant is True
+    assert c.peer_timeout == 30.0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
+def test_peer_timeout_out_of_range_is_a_config_error(clean_env, value):
+    """peer_timeout: a positive number of seconds up to a day, named in the error."""
+    clean_env.setenv("ARNORM_PEER_TIMEOUT", value)
+    with pytest.raises(ConfigError, match=r"ARNORM_PEER_TIMEOUT"):
+        Config()
 
 
 def test_backend_fields_left_the_core_config(clean_env):

@@ -62,6 +62,7 @@ def test_errors_subclass_matching_builtins():
     assert issubclass(arnorm.BackendBrokenError, ImportError)
     assert issubclass(arnorm.NoEligibleBackendError, RuntimeError)
     assert issubclass(arnorm.BackendSetupError, RuntimeError)
+    assert issubclass(arnorm.PeerError, RuntimeError)
     for name in arnorm.__all__:
         obj = getattr(arnorm, name)
         if isinstance(obj, type) and issubclass(obj, Exception) and not issubclass(obj, Warning):

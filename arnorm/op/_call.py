@@ -11,13 +11,17 @@ the data pointers the test already read, so neither side reads them twice. These
 
 from __future__ import annotations
 
+import sys
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from arnorm._errors import BackendBrokenError, InvalidInputError
+from arnorm._errors import BackendBrokenError, InvalidInputError, PeerError
 from arnorm._types import Output
 from arnorm.op._caller_outputs import check_out_tensors, copy_into, unwritten_destination
 from arnorm.op._check import check_call
+from arnorm.op._comm import CALL_CODES
 from arnorm.op._custom_op import call_custom_op
+from arnorm.op._faults import call_failed, thread_error
 from arnorm.op._guards import agree_call, guard, no_backend
 
 if TYPE_CHECKING:
@@ -54,7 +58,10 @@ def call(
             result holds ``out``'s tensors. Each is contiguous, 16-byte aligned and shares no
             byte with another or with the inputs (README, "Caller-provided outputs").
 
-    One call at a time per op: a second, concurrent call from another thread raises.
+    One call at a time per op: a second, concurrent call from another thread raises. At TP > 1,
+    calls come from the thread that owns the op's group (the one that built its first live op;
+    README, "Threads"); a call that raises part-way poisons the op on every rank
+    (:class:`arnorm.PeerError` from then on; build a new op).
 
     ``weight``, ``scale`` and ``out`` are checked in full when first seen, then trusted by
     identity and data pointer: a tensor whose pointer changes (``w.data = other``) is checked
@@ -69,6 +76,9 @@ def call(
             check_out_tensors(self._out_rules, out, hidden_states.shape[0])
         result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
         return result if out is None else copy_into(result, out, self._inplace)
+    owner = self._owner  # 0 at TP 1; else the thread that owns the group (arnorm.op._faults)
+    if owner and owner != get_ident():
+        raise thread_error(owner)
     declined = False  # the backend's fast path returned None for this call: __call__ serves it
     accept = self._accept  # None with check_calls, or without the C helper
     if accept is not None:  # the C helper: this function's test (a subset of it), then fast(...)
@@ -82,6 +92,8 @@ def call(
                 return returned_out(self, result[0], out, hidden_states)
             declined = True
     if self._check_calls:
+        if self._poisoned is not None:  # before agreeing: the peers' ops are poisoned too
+            raise PeerError(self._poisoned)
         self._seq += 1
         agree_call(
             self._comm, self._rules, self._seq, hidden_states, residual, weight, scale, out_check(self, out)
@@ -194,7 +206,11 @@ def call(
                 self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
                 checked = True
         if fast is not None and ok and not declined:
-            result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
+            try:
+                result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
+            except BaseException as exc:
+                call_failed(self, exc, sys._getframe())
+                raise
             if result is not None:
                 if out is not None and not (
                     type(result) is Output
@@ -211,14 +227,18 @@ def call(
         impl = self._table[t]
         if impl is None:
             raise self._closed_error() if self._closed else no_backend(t)
-        if out is None:
-            result = impl(hidden_states, residual, weight, scale)
-        else:
-            if not checked:
-                self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
-            result = returned_out(
-                self, self._into_table[t](hidden_states, residual, weight, scale, out), out, hidden_states
-            )
+        if not checked:
+            self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
+        try:
+            if out is None:
+                result = impl(hidden_states, residual, weight, scale)
+            else:
+                result = self._into_table[t](hidden_states, residual, weight, scale, out)
+        except BaseException as exc:
+            call_failed(self, exc, sys._getframe())
+            raise
+        if out is not None:
+            result = returned_out(self, result, out, hidden_states)
         return guard(result, hidden_states, residual, weight) if grad else result
     finally:
         token.append(None)
@@ -276,3 +296,6 @@ def trust_weight(self: AllReduceNorm, weight: Any, ptr: int) -> bool:
         self._last_weight, self._last_wptr = weight, ptr
         return True
     return False
+
+
+CALL_CODES.update((call.__code__,))

@@ -1,14 +1,27 @@
-"""``Comm``: the TP group an op runs on, plus the CPU group used for agreement.
+"""``Comm``: the TP group an op runs on, plus the channels used for agreement.
 
-Agreement (arguments, eligibility, setup success) always travels over a gloo group, so it works
-before any device communicator exists and never touches the GPU stream.
+Agreement (arguments, eligibility, setup success, ``ARNORM_CHECK_CALLS`` fingerprints) travels
+through the process group's store (:mod:`arnorm.op._rendezvous`), keyed by the op and the step, so it
+can never pair with a data collective or another op's agreement; it falls back to the gloo CPU
+group where no store is reachable. It works before any device communicator exists and never
+touches the GPU stream.
+
+On a gloo TP group (CPU tensors), the op's own data collectives run on a communicator private to
+the op (the way NCCL gives each communicator its own failure domain), each after a three-number
+header (step, status, element count): a rank whose call failed before its collective sends a
+poison header in that slot, so its peers raise :class:`arnorm.PeerError` instead of pairing the
+step with the next one, and a size mismatch becomes an error instead of a gloo abort. Every wait
+there is bounded by ``Config.peer_timeout``. On a device (NCCL) group the data collectives are
+the group's own and carry nothing extra (no host sync per call).
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import TYPE_CHECKING, Any
 
-from arnorm._errors import InvalidInputError
+from arnorm._errors import InvalidInputError, PeerError
 from arnorm._types import LOCAL
 
 if TYPE_CHECKING:
@@ -16,6 +29,14 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 __all__ = ["Comm"]
+
+#: Header statuses.
+_OK, _POISON = 0, 1
+#: Work objects of poison headers nobody waits for, kept alive with their communicator.
+_UNWAITED: list[Any] = []
+#: Code objects of the op's call functions (filled by arnorm.op._call): a header records the call
+#: frame it ran in, so a failed call knows whether it reached its collective.
+CALL_CODES: set[Any] = set()
 
 # new_group is collective over WORLD: create the gloo twin of WORLD once and reuse it.
 _CPU_GROUPS: dict[tuple[int, ...], Any] = {}
@@ -65,12 +86,23 @@ class Comm:
     - ``device``: the ``torch.device`` the op's tensors live on.
     """
 
-    __slots__ = ("cpu_group", "device", "group", "rank", "world_size")
+    __slots__ = (
+        "_broken", "_data", "_frame", "calls", "channel", "cpu_group", "device", "group", "rank",
+        "world_size",
+    )  # fmt: skip
 
     def __init__(self, group: Any, device: torch.device, cpu_group: Any = None) -> None:
         self.group = group
         self.device = device
         self.cpu_group = cpu_group
+        #: The store channel agreement goes through (set by construction), else the CPU group.
+        self.channel: Any = None
+        #: The op's private gloo communicator for its data collectives (CPU ops on gloo groups).
+        self._data: Any = None
+        #: Data steps (header exchanges) done; the frame of the call that did the last one.
+        self.calls = 0
+        self._frame: Any = None
+        self._broken = ""
         if group is None:
             self.rank, self.world_size = 0, 1
             return
@@ -125,9 +157,131 @@ class Comm:
 
         if self.cpu_group is None:
             return [obj]
+        if self.channel is not None:
+            return self.channel.gather(obj)
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def open_data(self, timeout: float) -> None:
+        """Give a CPU op on a gloo group its own communicator, named by its channel (collective)."""
+        import torch.distributed as dist
+
+        if self.group is None or self.channel is None or self.device.type != "cpu":
+            return
+        if not _supports_cpu(self.group):
+            return
+        from datetime import timedelta
+
+        store = dist.PrefixStore(f"{self.channel.prefix}/data", self.channel.store)
+        self._data = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=timeout))
+
+    def close_data(self) -> None:
+        """Drop the private communicator (local: the op is closed; a peer still calling it times out)."""
+        self._data = None
+        if not self._broken:
+            self._broken = "op: closed (needs a new arnorm.AllReduceNorm)"
+
+    @property
+    def counts_calls(self) -> bool:
+        """Whether :attr:`calls` counts the op's calls (its data collectives carry headers)."""
+        return self._data is not None
+
+    def in_call(self, frame: Any) -> bool:
+        """Whether the call running in ``frame`` reached its data collective."""
+        return self._frame is frame
+
+    def abort(self, message: str) -> None:
+        """This rank's op failed part-way: occupy the step the peers wait in (or will wait in next)
+        with a poison header, never waited for, and leave ``message`` in the store for them."""
+        if self.channel is not None:
+            self.channel.abandon(message)
+        if self._data is None or self._broken:
+            return
+        self._broken = message
+        import torch
+
+        header = torch.tensor([self.calls + 1, _POISON, 0], dtype=torch.int64)
+        parts = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
+        # The communicator may already be gone: the peers' waits then end at their timeout.
+        with contextlib.suppress(Exception):
+            _UNWAITED.append((self._data, self._data.allgather([parts], [header]), parts, header))
+
+    def _step(self, numel: int) -> None:
+        """The header of one data collective: raises PeerError (poison, timeout) or
+        InvalidInputError (ranks sending different sizes) before the data moves."""
+        import torch
+
+        if self._broken:
+            raise PeerError(self._broken)
+        f: Any = sys._getframe(2)
+        for _ in range(8):  # the op's call frame, a few backend frames up
+            if f is None or f.f_code in CALL_CODES:
+                break
+            f = f.f_back
+        self._frame = f
+        self.calls += 1
+        header = torch.tensor([self.calls, _OK, numel], dtype=torch.int64)
+        parts = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
+        self._wait(self._data.allgather([parts], [header]), "call")
+        seen = [p.tolist() for p in parts]
+        for r, (step, status, _) in enumerate(seen):
+            if status == _POISON:
+                note = self.channel.note(r) if self.channel is not None else None
+                raise self._fail(
+                    note or f"op out of step on rank {r}: its call {step} failed; build a new op"
+                )
+            if step != self.calls:
+                raise self._fail(
+                    f"op out of step: rank {r} is at call {step}, this rank at {self.calls} (needs every "
+                    "rank to make the same calls of the op; build a new op)"
+                )
+        sizes = [n for _, _, n in seen]
+        if any(n != numel for n in sizes):
+            detail = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+            raise InvalidInputError(
+                f"calls: differ across ranks ({detail} elements to exchange) (needs the same call on "
+                "every rank; ARNORM_CHECK_CALLS=1 says which argument differs)"
+            )
+
+    def _fail(self, message: str) -> PeerError:
+        self._broken = message
+        return PeerError(message)
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise self._fail(self._diagnose(what, exc)) from None
+
+    def _diagnose(self, what: str, exc: Exception) -> str:
+        """Why a data collective failed (its communicator timed out or a peer went away), with the
+        peers' notes where they left one."""
+        channel = self.channel
+        notes = []
+        if channel is not None:
+            notes = [n for r in range(self.world_size) if r != self.rank and (n := channel.note(r))]
+        if notes:
+            return notes[0]
+        from arnorm.op._rendezvous import ranks_text
+
+        others = [r for r in range(self.world_size) if r != self.rank]
+        missing = others if channel is None or len(others) == 1 else channel.late_ranks(self.calls)
+        peers = ranks_text(missing) if missing else f"one or more of {ranks_text(others)}"
+        timeout = channel.timeout if channel is not None else 0
+        message = (
+            f"peers: {peers} did not join call {self.calls} of "
+            f"{channel.describe() if channel is not None else 'this op'} within {timeout:g} s "
+            f"(peer_timeout / ARNORM_PEER_TIMEOUT) ({type(exc).__name__}: {str(exc)[:200]}) "
+            "(needs every rank to call the op the same number of times: a rank may be stalled or dead, "
+            "building or calling another op on this group, or may have passed a different group "
+            "object; this op cannot be used again: build a new one)"
+        )
+        if channel is not None:
+            channel.abandon(f"peers: rank {self.rank} gave up on call {self.calls} ({message})")
+        return message
 
     # -- data collectives on the device group -----------------------------------------------
 
@@ -139,6 +293,10 @@ class Comm:
         if self.group is None:
             return [tensor]
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        if self._data is not None:
+            self._step(tensor.numel())
+            self._wait(self._data.allgather([parts], [tensor.contiguous()]), "call")
+            return parts
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return parts
 
@@ -153,6 +311,12 @@ class Comm:
         if self.group is None:
             out.view(tensor.shape).copy_(tensor)
             return out
+        if self._data is not None:
+            self._step(tensor.numel())
+            self._wait(
+                self._data._allgather_base(out.view(-1, *tensor.shape[1:]), tensor.contiguous()), "call"
+            )
+            return out
         # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out.view(-1, *tensor.shape[1:]), tensor.contiguous(), group=self.group)
@@ -162,7 +326,10 @@ class Comm:
         """Sum ``tensor`` over the ranks, in place."""
         import torch.distributed as dist
 
-        if self.group is not None:
+        if self._data is not None:
+            self._step(tensor.numel())
+            self._wait(self._data.allreduce([tensor]), "call")
+        elif self.group is not None:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 

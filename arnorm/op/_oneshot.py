@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from arnorm._errors import InvalidInputError
 from arnorm._problem import DTYPES
 from arnorm._types import Output, RMSNorm
+from arnorm.op._faults import group_owner
+from arnorm.op._guards import agree_call
 from arnorm.op._op import AllReduceNorm
 from arnorm.registry._capabilities import join_or
 
@@ -48,6 +51,13 @@ def fused_allreduce_norm(
     At most :data:`CACHE_SIZE` ops are kept; the least recently used is closed when another is
     needed (identically on every rank, when every rank makes the same calls). Engines should keep
     an ``AllReduceNorm`` instead: this helper costs a lock and a dictionary lookup more per call.
+
+    Threads: calls are serialized by the helper's lock, so on :data:`arnorm.LOCAL` any thread may
+    call. On a TP group, calls come from the thread owning the group (README, "Threads"): the one
+    that built an op on it, else the main thread, so every rank picks the same thread. With
+    ``ARNORM_CHECK_CALLS``, a token count over the cached op's budget is agreed on every rank
+    before a larger op is built: on one rank only, it is the same error on every rank. A cached op
+    poisoned by a failed call (:class:`arnorm.PeerError`) is rebuilt at the next call.
     """
     import torch
 
@@ -64,7 +74,19 @@ def fused_allreduce_norm(
     key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual)
     with _cache_lock:
         op = _cache.get(key)
-        if op is None or op._closed or t > op._max_tokens:
+        if op is not None and op._owner and op._owner != threading.get_ident():
+            raise _thread_error(op._owner)
+        if op is None or op._closed or op._poisoned is not None or t > op._max_tokens:
+            # A poisoned op (a rank's call failed part-way; every rank's op is poisoned at the
+            # same step) is replaced by a new one, built on every rank at its next call.
+            if op is None or op._closed or op._poisoned is not None:
+                _check_first_thread(group)
+            elif op._check_calls:
+                # The budget is per rank: a larger count on one rank only would build on that rank
+                # while the others call. Agree first, as the call itself would.
+                op._seq += 1
+                rules = dataclasses.replace(op._rules, max_tokens=int(t))
+                agree_call(op._comm, rules, op._seq, hidden_states, residual, weight, scale)
             if op is not None:
                 op.close()
                 del _cache[key]
@@ -78,4 +100,40 @@ def fused_allreduce_norm(
                 evicted.close()
         else:
             _cache.move_to_end(key)
-    return op(hidden_states, residual, weight, scale)
+        return op(hidden_states, residual, weight, scale)
+
+
+def _thread_error(owner: int) -> InvalidInputError:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    here = threading.current_thread().name
+    return InvalidInputError(
+        f"fused_allreduce_norm: called from thread {here!r} on a TP group owned by thread "
+        f"{names.get(owner, owner)!r} (needs every call on a TP group from one thread, the same on "
+        "every rank; keep an AllReduceNorm per thread's group instead)"
+    )
+
+
+def _check_first_thread(group: Any) -> None:
+    """The first op on a TP group: built from its owner, else from the main thread only (the first
+    thread to call would differ between ranks)."""
+    from arnorm._types import LOCAL
+
+    if group is LOCAL or threading.current_thread() is threading.main_thread():
+        return
+    try:
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) == 1:
+            return
+        owner = group_owner(str(getattr(group, "group_name", id(group))))
+    except Exception:  # not a usable group: construction says why
+        return
+    if owner is None:
+        here = threading.current_thread().name
+        raise InvalidInputError(
+            f"fused_allreduce_norm: called from thread {here!r} on a TP group no thread owns yet "
+            "(needs the main thread, or a thread that built an AllReduceNorm on the group first: "
+            "the first thread to call could differ between ranks)"
+        )
+    if owner != threading.get_ident():
+        raise _thread_error(owner)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from arnorm._config import Config, load_config
-from arnorm._errors import ArnormError, ArnormWarning, InvalidInputError
+from arnorm._errors import ArnormError, ArnormWarning, InvalidInputError, PeerError
 from arnorm._problem import Problem
 from arnorm._types import Output, RMSNorm
 from arnorm.op._accel import AccelState, accelerator
@@ -19,7 +19,9 @@ from arnorm.op._caller_outputs import CopyInto, OutRules, OutTrust, empty_output
 from arnorm.op._check import CallRules, needs_scale
 from arnorm.op._comm import Comm
 from arnorm.op._custom_op import register_handle, unregister_handle
+from arnorm.op._faults import claim_group, release, track
 from arnorm.op._guards import Trust, no_backend, with_zero_residual
+from arnorm.op._rendezvous import open_agreement
 from arnorm.registry._capabilities import did_you_mean
 from arnorm.registry._discovery import get_registry
 from arnorm.registry._explain import Explanation
@@ -131,6 +133,8 @@ class AllReduceNorm:
         InvalidInputError, ConfigError: bad arguments or settings on some rank, or ranks that
             disagree on them (raised on every rank).
         NoEligibleBackendError: no backend can serve the problem on every rank.
+        PeerError: a peer did not arrive within ``Config.peer_timeout``, abandoned construction
+            (an exception or KeyboardInterrupt there), or the op is used after a fork.
         BackendNotInstalledError, BackendBrokenError, BackendSetupError: a named backend cannot serve.
     """
 
@@ -157,6 +161,9 @@ class AllReduceNorm:
         self._table: list[Any] = []
         self._into_table: list[Any] = []
         self._fast_table: list[Any] = []
+        self._poisoned: str | None = None
+        self._group_name = ""
+        self._owner = 0
         if not _building.acquire(blocking=False):
             msg = (
                 "AllReduceNorm: built from two threads at once "
@@ -167,6 +174,9 @@ class AllReduceNorm:
             request = _Request(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output,
                                inplace, scale_layout, device, cpu_group, config, add_residual)  # fmt: skip
             self._build(request)
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
         finally:
             _building.release()
 
@@ -191,6 +201,13 @@ class AllReduceNorm:
         except ArnormError as exc:
             error, dev = exc, torch.device("cpu")
         comm = Comm.resolve(tp_group, dev, cpu_group)
+        self._comm = comm
+        if comm.world_size > 1:
+            # Before anything is sent: a call or construction from the wrong thread raises on this
+            # rank alone, and every rank running the same program raises it alike.
+            self._group_name = str(getattr(comm.group, "group_name", id(comm.group)))
+            self._owner = claim_group(self._group_name, self)
+            open_agreement(comm, config)
         registry = get_registry()
         try:
             if error is not None:
@@ -210,9 +227,16 @@ class AllReduceNorm:
             settings = load_settings(registry, config)
             warn_unknown_names(pref, registry)
             facts = agreement_facts(problem, pref, config, settings)
+            if comm.world_size > 1:
+                # Ranks passing different group objects over the same ranks (WORLD on one, a
+                # new_group on another) would never meet in a data collective.
+                facts["tp_group"] = self._group_name
+                facts["cpu_group"] = str(getattr(comm.cpu_group, "group_name", ""))
         except ArnormError as exc:
             error = exc
         agree(comm, facts, error)
+        if config is not None and isinstance(config, Config):
+            comm.open_data(config.peer_timeout)
         plan = select(problem, comm, config, pref, registry, settings)
         self._problem, self._comm, self._device = problem, comm, dev
         caps = [registry.get(n).spec.capabilities for n in plan.explanation.chain]  # type: ignore[union-attr]
@@ -288,7 +312,22 @@ class AllReduceNorm:
         if config.accelerate and not self._check_calls and any(f is not None for f in self._fast_table):
             self._accept = accelerator().accept
         self._handle = register_handle(self)
+        if comm.world_size > 1:
+            # The C helper does not compare threads; no built-in backend has a fast path at TP > 1.
+            self._accept = None
+        track(self)
+        if comm.channel is not None:
+            comm.channel.phase = "calling"
         self._closed = False
+
+    def _abandon(self, exc: BaseException) -> None:
+        """Construction failed on this rank: release the group and tell peers still waiting."""
+        if self._group_name:
+            release(self._group_name, self)
+        channel = getattr(getattr(self, "_comm", None), "channel", None)
+        if channel is not None:
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            channel.abandon(f"peers: rank {channel.rank} abandoned building {channel.describe()}: {what}")
 
     # -- calls (arnorm.op._call) -------------------------------------------------------------
 
@@ -309,6 +348,8 @@ class AllReduceNorm:
     def _check_tokens_arg(self, num_tokens: object) -> int:
         if self._closed:
             raise self._closed_error()
+        if self._poisoned is not None:
+            raise PeerError(self._poisoned)
         if (
             not isinstance(num_tokens, int)
             or isinstance(num_tokens, bool)
@@ -382,6 +423,9 @@ class AllReduceNorm:
         if self._closed:
             return
         self._closed = True
+        if self._group_name:
+            release(self._group_name, self)
+        self._comm.close_data()
         self._table[:] = [None] * len(self._table)
         self._into_table[:] = [None] * len(self._into_table)
         self._fast_table[:] = [None] * len(self._fast_table)

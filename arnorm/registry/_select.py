@@ -234,10 +234,13 @@ def agree(comm: Comm, facts: dict[str, Any], error: BaseException | None) -> Non
             f"rank {r}: " + ", ".join(f"{k}={s['facts'][k]!r}" for k in differ if k in s["facts"])
             for r, s in enumerate(seen)
         )
-        msg = (
-            f"ranks disagree on {', '.join(differ)} ({detail}) "
-            "(needs the same arguments, ARNORM_* settings and Config on every rank)"
-        )
+        needs = "the same arguments, ARNORM_* settings and Config on every rank"
+        if "tp_group" in differ or "cpu_group" in differ:
+            needs += (
+                "; the same group object on every rank: WORLD on one rank and a new_group of the same "
+                "ranks on another are different communicators that never meet"
+            )
+        msg = f"ranks disagree on {', '.join(differ)} ({detail}) (needs {needs})"
         raise InvalidInputError(msg)
 
 

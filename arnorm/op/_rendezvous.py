@@ -1,0 +1,211 @@
+"""Agreement between ranks over the process group's store, apart from every data collective.
+
+Construction's gathers (arguments, verdicts, setup results) and ``ARNORM_CHECK_CALLS``'s per-call
+fingerprints used to travel over the TP group's gloo communicator, where they paired with whatever
+collective a peer happened to issue next: another op's call, another construction, a call that a
+failed rank never made. Here each gather is a set of store keys named after the group's ranks, the
+op's build number on that group and the gather's step, so a message can only meet the message of
+the same step of the same op. Every wait is bounded by ``Config.peer_timeout`` and watches the
+peers' abandon notes, so a rank that raised, was interrupted or poisoned its op tells the others at
+once instead of leaving them waiting.
+
+Build numbers count, per process and per group (by its ranks), the ops whose construction began.
+They drift when a construction fails on some ranks only; a rank that finds a peer already building a
+later op joins that one (the agreement that follows compares every argument, so joining can never
+pair two different ops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from typing import Any
+
+from arnorm._errors import PeerError
+
+__all__ = ["Channel", "open_agreement", "ranks_text"]
+
+#: Per process: the last build number used on each group, keyed by the group's global ranks.
+_BUILDS: dict[tuple[int, ...], int] = {}
+#: How often a waiting rank looks for its peers' abandon notes (seconds).
+_SLICE_S = 0.25
+_WHY = (
+    "a rank may be stalled or dead, still compiling, building or calling another op on this group, "
+    "or may have passed a different group object"
+)
+
+
+def default_store() -> Any:
+    """The default process group's store, or ``None`` (then agreement falls back to the CPU group)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_default_store()
+    except Exception:  # not initialized through a store, or an older torch
+        return None
+
+
+class Channel:
+    """The store keys one op's ranks agree through: ``arnorm/<ranks>/b<build>/...``."""
+
+    def __init__(self, store: Any, ranks: tuple[int, ...], rank: int, timeout: float) -> None:
+        self.store, self.ranks, self.rank, self.timeout = store, ranks, rank, timeout
+        self.world = len(ranks)
+        self.group = "arnorm/" + ",".join(map(str, ranks))
+        self.build = _BUILDS.get(ranks, 0) + 1
+        _BUILDS[ranks] = self.build
+        self.step = 0
+        #: What the op is doing, for messages: "building" until construction ends, then "calling".
+        self.phase = "building"
+        self._own: str | None = None  # this rank's key of the previous gather, deleted after the next
+        self.store.set(f"{self.group}/at/{rank}", str(self.build))
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.group}/b{self.build}"
+
+    def describe(self) -> str:
+        return f"op #{self.build} on group {list(self.ranks)}"
+
+    # -- gather -------------------------------------------------------------------------------
+
+    def gather(self, obj: object) -> list[Any]:
+        """Every rank's ``obj`` in rank order; raises :class:`PeerError` on a peer's abandon note
+        or when a peer has not arrived within the timeout."""
+        step = self.step
+        self.step += 1
+        store = self.store
+        payload = pickle.dumps(obj)
+        store.set(self._key(step, self.rank), payload)
+        self._wait(step, self.phase, payload)
+        got = [pickle.loads(store.get(self._key(step, r))) for r in range(self.world)]
+        if self._own is not None:
+            # Every peer has read it: they wrote this step's key only after reading the previous one.
+            with contextlib.suppress(Exception):  # a store without deletion only grows
+                store.delete_key(self._own)
+        self._own = self._key(step, self.rank)
+        return got
+
+    def _key(self, step: int, rank: int) -> str:
+        return f"{self.prefix}/s{step}/{rank}"
+
+    def _wait(self, step: int, what: str, payload: bytes) -> None:
+        store = self.store
+        peers = [r for r in range(self.world) if r != self.rank]
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while True:
+            # A first step's key may be a leftover of a peer's failed attempt at this build number:
+            # a peer already at a later build is joined there. (A peer still at this one that
+            # abandoned it is caught at the next step, where its key is missing.)
+            if step == 0 and self._join_later_build(peers, payload):
+                continue
+            missing = [r for r in peers if not store.check([self._key(step, r)])]
+            if not missing:
+                return
+            self.raise_if_abandoned(missing)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self.timeout_error(missing, what)
+            # Polled (store.wait with a short timeout logs a warning per slice): fast at first,
+            # where a peer is usually a moment behind, then a few times a second.
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _SLICE_S)
+
+    def _join_later_build(self, missing: list[int], payload: bytes) -> bool:
+        """A peer already building a later op on this group: this rank's count fell behind (a
+        construction that failed on some ranks only). Leave this build number and join that one."""
+        later = max(self.where(r) for r in missing)
+        if later <= self.build:
+            return False
+        self.abandon(f"peers: rank {self.rank} moved on to op #{later} on group {list(self.ranks)}")
+        self.build = _BUILDS[self.ranks] = later
+        self.store.set(f"{self.group}/at/{self.rank}", str(later))
+        self.store.set(self._key(0, self.rank), payload)
+        return True
+
+    # -- notes --------------------------------------------------------------------------------
+
+    def abandon(self, reason: str) -> None:
+        """Tell the peers this rank left the op (its construction failed, or the op was poisoned)."""
+        # The store itself may be gone: the peers' waits then end at their timeout.
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}/abandon/{self.rank}", reason)
+
+    def note(self, rank: int) -> str | None:
+        """Rank ``rank``'s abandon note on this op, if any."""
+        key = f"{self.prefix}/abandon/{rank}"
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:
+            return None
+
+    def raise_if_abandoned(self, ranks: list[int]) -> None:
+        for r in ranks:
+            note = self.note(r)
+            if note is not None:
+                raise PeerError(note)
+
+    def late_ranks(self, call: int, grace: float = 1.0) -> list[int]:
+        """After this rank's wait in call ``call`` timed out: the peers that did not also report
+        waiting there within ``grace`` seconds (the ranks that were waited for)."""
+        store = self.store
+        key = f"{self.prefix}/late{call}"
+        with contextlib.suppress(Exception):
+            store.set(f"{key}/{self.rank}", "1")
+        peers = [r for r in range(self.world) if r != self.rank]
+        end = time.monotonic() + min(grace, self.timeout)
+        while True:
+            try:
+                late = [r for r in peers if not store.check([f"{key}/{r}"])]
+            except Exception:
+                return peers
+            if not late or time.monotonic() >= end:
+                return late
+            time.sleep(0.05)
+
+    def where(self, rank: int) -> int:
+        key = f"{self.group}/at/{rank}"
+        try:
+            return int(self.store.get(key)) if self.store.check([key]) else 0
+        except Exception:
+            return 0
+
+    def timeout_error(self, missing: list[int], what: str) -> PeerError:
+        seen = "; ".join(f"rank {r} last began building op #{self.where(r)} on this group" for r in missing)
+        return PeerError(
+            f"peers: {ranks_text(missing)} did not reach {what} {self.describe()} within {self.timeout:g} s "
+            f"(peer_timeout / ARNORM_PEER_TIMEOUT) ({seen}; this rank is at op #{self.build}) "
+            f"(needs every rank of the group to build and call the same ops in the same order: {_WHY})"
+        )
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``[1]`` -> ``"rank 1"``; ``[1, 3]`` -> ``"ranks 1, 3"``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def open_agreement(comm: Any, config: Any) -> None:
+    """Agreement through the store, bounded by ``peer_timeout`` (the environment's when ``config``
+    is not a Config yet: a malformed one is reported through the agreement itself)."""
+    store = default_store()
+    if store is None:
+        return
+    from arnorm._config import Config
+
+    timeout = config.peer_timeout if isinstance(config, Config) else _env_peer_timeout()
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(comm.group))
+    comm.channel = Channel(store, ranks, comm.rank, timeout)
+
+
+def _env_peer_timeout() -> float:
+    from arnorm._config import Config
+    from arnorm._errors import ArnormError
+
+    try:
+        return float(Config().peer_timeout)
+    except ArnormError:
+        return float(Config.model_fields["peer_timeout"].default)
