@@ -104,7 +104,10 @@ class Channel:
             missing = [r for r in peers if not store.check([self._key(step, r)])]
             if not missing:
                 return
-            self.raise_if_abandoned(missing)
+            # A peer may write this step's key, finish the step and abandon the op (it raised the
+            # error every rank raises) between the check above and the look at its notes: a note
+            # counts only for a peer whose key is still missing after the note was seen.
+            self.raise_if_abandoned(missing, lambda r: not store.check([self._key(step, r)]))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self.timeout_error(missing, what)
@@ -141,10 +144,10 @@ class Channel:
         except Exception:
             return None
 
-    def raise_if_abandoned(self, ranks: list[int]) -> None:
+    def raise_if_abandoned(self, ranks: list[int], still_missing: Any = None) -> None:
         for r in ranks:
             note = self.note(r)
-            if note is not None:
+            if note is not None and (still_missing is None or still_missing(r)):
                 raise PeerError(note)
 
     def late_ranks(self, call: int, grace: float = 1.0) -> list[int]:

@@ -52,8 +52,9 @@ def test_fused_allreduce_norm_from_two_threads_on_local_works(clean_env):
 def test_an_op_used_in_a_forked_child_raises_at_once(clean_env):
     """Even at TP 1 the child's copy of the op is poisoned: it raises PeerError instead of running."""
     op = arnorm.AllReduceNorm(
-        arnorm.LOCAL, hidden_size=16, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=4
-    )
+        arnorm.LOCAL, hidden_size=16, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=4,
+        device="cpu",  # CPU tensors below, also on a host with GPUs
+    )  # fmt: skip
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
 
