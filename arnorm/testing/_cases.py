@@ -383,7 +383,9 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = 
         if own is None:
             return CaseResult(case, "error", error=error)
     expect = quantize(own, case.quant, scale=scale, layout=op.problem.scale_layout)
-    codes = compare_codes(quant_out.data, expect.data, packed_fp4=case.quant == "nvfp4")
+    codes = compare_codes(
+        quant_out.data, expect.data, packed_fp4=FORMAT_SPECS[case.quant].elements_per_byte == 2
+    )
     scales = first_difference(quant_out.scale, expect.scale)
     return dataclasses.replace(result, codes=codes, scales=scales)
 

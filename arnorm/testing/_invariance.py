@@ -21,6 +21,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from arnorm._formats import FORMAT_SPECS
 from arnorm.testing._cases import SKIP_STATUSES, Case, _device, _group
 
 __all__ = ["InvarianceResult", "run_invariance"]
@@ -47,11 +48,8 @@ def _inputs(case: Case, pool: int, world: int, device: Any) -> tuple[list[Any], 
     partials = [torch.randn(pool, case.hidden, generator=g).to(dtype).to(device) for _ in range(world)]
     residual = (torch.randn(pool, case.hidden, generator=g) * 2).to(dtype).to(device)
     weight = (1 + torch.randn(case.hidden, generator=g) * 0.2).to(dtype).to(device)
-    scale = None
-    if case.quant == "fp8_static":
-        scale = torch.tensor([0.02], device=device)
-    elif case.quant == "nvfp4":
-        scale = torch.tensor([448 * 6 / 6.0], device=device)
+    sample = FORMAT_SPECS[case.quant].sample_scale if case.quant else None
+    scale = torch.tensor([sample], device=device) if sample is not None else None
     return partials, residual, weight, scale
 
 
@@ -68,11 +66,12 @@ def _row_outputs(out: Any, case: Case) -> dict[str, Any]:
     q = out.quant
     if q is not None:
         rows["codes"] = q.data.view(torch.uint8).reshape(t, -1)
-        if case.quant == "fp8_per_token":
-            rows["scales"] = q.scale.reshape(t, -1)
-        elif case.quant in ("nvfp4", "mxfp8"):
-            k = case.hidden // (16 if case.quant == "nvfp4" else 32)
+        spec = FORMAT_SPECS[q.format]
+        if spec.block_size:
+            k = case.hidden // spec.block_size
             rows["scales"] = from_layout(q.scale.view(torch.uint8), q.layout, t, k)
+        elif spec.scale_dtype is not None:  # one computed scale per row
+            rows["scales"] = q.scale.reshape(t, -1)
     return {name: _bits(v) for name, v in rows.items()}
 
 
@@ -197,7 +196,10 @@ def invariance_cases(caps: Any, hidden: int) -> list[Case]:
     from arnorm.plugin import format_spec
 
     dtype = sorted(caps.dtypes)[0]
-    layouts = {"nvfp4": ("swizzled_128x4", "linear"), "mxfp8": ("linear", "swizzled_128x4")}
+    layouts = {
+        n: (f.default_layout, *(x for x in f.layouts if x != f.default_layout))
+        for n, f in FORMAT_SPECS.items()
+    }
     out: list[Case] = []
     for quant in sorted(caps.quant):
         q = None if quant == "none" else quant
