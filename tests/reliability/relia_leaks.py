@@ -18,7 +18,8 @@ H = 32
 
 def holdings() -> dict[str, int]:
     """What must stay flat: custom-op handles, live threads, open file descriptors, cached ops."""
-    from arnorm.op import _oneshot, _probe
+    from arnorm.op import _oneshot
+    from arnorm.registry import _probe
 
     gc.collect()
     return {
