@@ -98,7 +98,7 @@ class Config(BaseSettings):
     peer_timeout: float = Field(
         default=600.0,
         gt=0,
-        le=86400,
+        le=MAX_TIMEOUT,
         allow_inf_nan=False,
         description="Seconds construction (and a call on a gloo group, or its ARNORM_CHECK_CALLS "
         "agreement) waits for the other ranks before raising PeerError naming the missing ones: long "

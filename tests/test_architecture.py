@@ -133,16 +133,21 @@ def test_format_flags(name):
     assert (spec.sample_scale is not None) == spec.takes_scale
 
 
+#: The original design document, which stayed outside the repository (docs/architecture.md and
+#: docs/numerics.md replace it); spelt in parts so this file does not cite it either.
+_OUTSIDE_DOC = "DESIGN"
+
+
 def test_nothing_cites_a_design_document_outside_the_repository():
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
     offenders = []
     for rel in files.stdout.split():
-        if rel.startswith(("benchmarks/results/", "lab/results/")) or rel == "tests/test_architecture.py":
+        if rel.startswith(("benchmarks/results/", "lab/results/")):
             continue
         path = REPO / rel
         if path.suffix not in {".py", ".md", ".sh", ".toml", ".c"} or not path.is_file():
             continue
         text = path.read_text(errors="replace")
-        if "DESIGN.md" in text or "the DESIGN" in text:
+        if f"{_OUTSIDE_DOC}.md" in text or f"the {_OUTSIDE_DOC}" in text:
             offenders.append(rel)
     assert offenders == []
