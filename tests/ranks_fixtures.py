@@ -363,3 +363,47 @@ def not_inplace_leaves_hidden_states(rank: int, world: int, backend: str, dtype_
     ) as op:  # fmt: skip
         op(x, residual, weight)
     return bool(torch.equal(x, partials[rank]))
+
+
+def _gloo_threads() -> int:
+    """The process's gloo worker threads (two per live ProcessGroupGloo)."""
+    import glob
+
+    return sum(open(p).read().strip() == "pt_gloo_runloop" for p in glob.glob("/proc/self/task/*/comm"))
+
+
+def group_references(rank: int, world: int, backend: str) -> dict[str, int]:
+    """What an op keeps of its process group once closed, or once dropped, with the cyclic
+    collector off: a group kept alive past ``destroy_process_group`` is torn down at interpreter
+    exit, where a gloo worker finishing the last collective aborts the process."""
+    import gc
+    import sys
+
+    group = torch.distributed.group.WORLD
+    partials, residual, weight = make_inputs(rank, world, 2, 64, torch.float32)
+
+    def build() -> arnorm.AllReduceNorm:
+        op = arnorm.AllReduceNorm(
+            group, hidden_size=64, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6),
+            backend=backend, device="cpu", max_tokens=8,
+        )  # fmt: skip
+        op(partials[rank].clone(), residual, weight)
+        return op
+
+    gc.collect()
+    gc.disable()
+    try:
+        base, threads = sys.getrefcount(group), _gloo_threads()
+        op = build()
+        out = {"while open": int(sys.getrefcount(group) > base)}
+        out["threads while open"] = _gloo_threads() - threads
+        op.close()
+        out["closed"] = sys.getrefcount(group) - base
+        out["threads after close"] = _gloo_threads() - threads
+        del op
+        build()  # dropped without close
+        out["dropped"] = sys.getrefcount(group) - base
+        out["threads after drop"] = _gloo_threads() - threads
+    finally:
+        gc.enable()
+    return out

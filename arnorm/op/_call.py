@@ -92,6 +92,8 @@ def call(
                 return returned_out(self, result[0], out, hidden_states)
             declined = True
     if self._check_calls:
+        if self._closed:  # a closed op holds no group to agree over
+            raise self._closed_error()
         if self._poisoned is not None:  # before agreeing: the peers' ops are poisoned too
             raise PeerError(self._poisoned)
         self._seq += 1

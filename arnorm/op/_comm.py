@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-__all__ = ["Comm"]
+__all__ = ["CallToken", "Comm"]
 
 #: Header statuses.
 _OK, _POISON = 0, 1
@@ -178,9 +178,11 @@ class Comm:
         store = dist.PrefixStore(f"{self.channel.prefix}/data", self.channel.store)
         self._data = dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=timeout))
 
-    def close_data(self) -> None:
-        """Drop the private communicator (local: the op is closed; a peer still calling it times out)."""
-        self._data = None
+    def close(self) -> None:
+        """Let go of every process group, communicator and store (local: the op is closed; a peer
+        still calling it times out). A group kept past ``destroy_process_group`` lives until
+        interpreter exit, where a gloo worker still finishing the last collective aborts the process."""
+        self._data = self._frame = self.group = self.cpu_group = self.channel = None
         if not self._broken:
             self._broken = "op: closed (needs a new arnorm.AllReduceNorm)"
 
@@ -207,6 +209,7 @@ class Comm:
         parts = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
         # The communicator may already be gone: the peers' waits then end at their timeout.
         with contextlib.suppress(Exception):
+            _UNWAITED[:] = [u for u in _UNWAITED if not u[1].is_completed()]  # received: let go
             _UNWAITED.append((self._data, self._data.allgather([parts], [header]), parts, header))
 
     def _step(self, numel: int) -> None:
@@ -332,6 +335,26 @@ class Comm:
         elif self.group is not None:
             dist.all_reduce(tensor, group=self.group)
         return tensor
+
+
+class CallToken(list[Any]):
+    """The call token (see ``AllReduceNorm``) of an op whose data collectives carry headers.
+
+    A header notes the frame of the call it ran in (:meth:`Comm.in_call`); handing the token back at
+    the end of every call forgets it. A frame kept past its call would keep that call's tensors, and
+    the op itself through ``self``: a cycle that frees the op's groups only when the cyclic collector
+    runs. Only these ops (gloo, CPU) pay for the Python-level ``append``; the rest keep a plain list.
+    """
+
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: Comm) -> None:
+        super().__init__([None])
+        self.comm = comm
+
+    def append(self, item: Any) -> None:
+        self.comm._frame = None
+        list.append(self, item)
 
 
 def _cpu_twin(group: dist.ProcessGroup, cpu_group: object) -> Any:

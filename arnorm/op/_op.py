@@ -17,7 +17,7 @@ from arnorm.op._args import build_problem, resolve_device
 from arnorm.op._call import call
 from arnorm.op._caller_outputs import CopyInto, OutRules, OutTrust, empty_output
 from arnorm.op._check import CallRules, needs_scale
-from arnorm.op._comm import Comm
+from arnorm.op._comm import CallToken, Comm
 from arnorm.op._custom_op import register_handle, unregister_handle
 from arnorm.op._faults import claim_group, release, track
 from arnorm.op._guards import Trust, no_backend, with_zero_residual
@@ -292,7 +292,7 @@ class AllReduceNorm:
         self._last_wptr = -1
         # The call's token: list.pop is atomic, so two threads can never both hold it (a
         # non-blocking Lock.acquire is too, at twice the cost per call).
-        self._token = [None]
+        self._token = CallToken(comm) if comm.counts_calls else [None]
         self._out_spans = self._out_trust.table
         self._check_calls = bool(config.check_calls)
         self._seq = 0
@@ -324,10 +324,13 @@ class AllReduceNorm:
         """Construction failed on this rank: release the group and tell peers still waiting."""
         if self._group_name:
             release(self._group_name, self)
-        channel = getattr(getattr(self, "_comm", None), "channel", None)
+        comm = getattr(self, "_comm", None)
+        channel = getattr(comm, "channel", None)
         if channel is not None:
             what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             channel.abandon(f"peers: rank {channel.rank} abandoned building {channel.describe()}: {what}")
+        if comm is not None:
+            comm.close()  # the exception's traceback holds this half-built op: hold no group
 
     # -- calls (arnorm.op._call) -------------------------------------------------------------
 
@@ -425,7 +428,7 @@ class AllReduceNorm:
         self._closed = True
         if self._group_name:
             release(self._group_name, self)
-        self._comm.close_data()
+        self._comm.close()
         self._table[:] = [None] * len(self._table)
         self._into_table[:] = [None] * len(self._into_table)
         self._fast_table[:] = [None] * len(self._fast_table)
