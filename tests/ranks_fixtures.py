@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import arnorm
@@ -407,3 +409,46 @@ def group_references(rank: int, world: int, backend: str) -> dict[str, int]:
     finally:
         gc.enable()
     return out
+
+
+def twin_after_reinit(rank: int, world: int) -> tuple[bool, bool, bool]:
+    """A device group over WORLD gets a gloo twin from arnorm (WORLD stands in for an NCCL group
+    here). After ``destroy_process_group()`` and a new ``init_process_group()``: is the old twin let
+    go (no group kept past its world, see group_references), is a new op given a new twin, and does
+    that op give the contract's result?"""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from arnorm.op import _comm
+
+    store = dist.distributed_c10d._get_default_store()
+    cpu_capable = _comm._supports_cpu
+    _comm._supports_cpu = lambda g: g is not dist.group.WORLD and cpu_capable(g)
+    partials, residual, weight = make_inputs(rank, world, 2, 64, torch.float32)
+
+    def one() -> tuple[Any, bool]:
+        with arnorm.AllReduceNorm(
+            dist.group.WORLD, hidden_size=64, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6),
+            backend="reference", device="cpu", max_tokens=8,
+        ) as op:  # fmt: skip
+            twin = op._comm.cpu_group
+            out = op(partials[rank].clone(), residual, weight)
+        h, _ = add_rmsnorm(rank_order_sum(partials), residual, weight, 1e-6, 0.0)
+        return twin, bool(torch.equal(out.residual, h))
+
+    gc.disable()
+    try:
+        first, _ = one()
+        old = weakref.ref(first)
+        del first
+        dist.destroy_process_group()
+        released = old() is None
+        dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank, world_size=world)
+        second, ok = one()
+        return released, second is not old(), ok
+    finally:
+        gc.enable()
+        _comm._supports_cpu = cpu_capable
+

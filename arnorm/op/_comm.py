@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import InvalidInputError, PeerError
@@ -38,8 +39,10 @@ _UNWAITED: list[Any] = []
 #: frame it ran in, so a failed call knows whether it reached its collective.
 CALL_CODES: set[Any] = set()
 
-# new_group is collective over WORLD: create the gloo twin of WORLD once and reuse it.
-_CPU_GROUPS: dict[tuple[int, ...], Any] = {}
+# new_group is collective over WORLD: create the gloo twin of WORLD once and reuse it, for as long
+# as that WORLD lives (weakly keyed: after destroy_process_group the twin goes with it, and a new
+# init gets a new one; a twin kept to interpreter exit can abort the process, see Comm.close).
+_CPU_GROUPS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
 
 _GROUP_NEEDS = (
     "needs a torch.distributed ProcessGroup of the TP ranks, or arnorm.LOCAL for a single process; "
@@ -387,8 +390,8 @@ def _cpu_twin(group: dist.ProcessGroup, cpu_group: object) -> Any:
             f"{dist.get_world_size()} ranks (needs cpu_group=, a gloo group over the same ranks, e.g. the "
             "engine's TP CPU group: arnorm will not create one, which is collective over WORLD)"
         )
-    twin = _CPU_GROUPS.get(ranks)
+    twins = _CPU_GROUPS.setdefault(dist.group.WORLD, {})
+    twin = twins.get(ranks)
     if twin is None:
-        twin = dist.new_group(list(ranks), backend="gloo")
-        _CPU_GROUPS[ranks] = twin
+        twin = twins[ranks] = dist.new_group(list(ranks), backend="gloo")
     return twin

@@ -121,3 +121,10 @@ def test_a_closed_or_dropped_op_lets_go_of_its_groups_at_once(backend):
             "while open": 1, "threads while open": 2, "closed": 0, "threads after close": 0,
             "dropped": 0, "threads after drop": 0,
         }, out  # fmt: skip
+
+
+def test_the_gloo_twin_of_a_device_group_lives_no_longer_than_its_world():
+    """arnorm's gloo twin of a device group over WORLD is let go with that WORLD: after
+    destroy_process_group() and a new init, the next op gets a new twin and the right result."""
+    assert run_ranks(2, rf.twin_after_reinit) == [(True, True, True)] * 2
+
