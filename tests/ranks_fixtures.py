@@ -452,3 +452,28 @@ def twin_after_reinit(rank: int, world: int) -> tuple[bool, bool, bool]:
         gc.enable()
         _comm._supports_cpu = cpu_capable
 
+
+_KEPT: list[Any] = []
+
+
+def ops_open_at_exit(rank: int, world: int, report: str) -> None:
+    """Keep an op and a one-call op open past ``destroy_process_group()`` (run_ranks destroys the
+    group after this returns), as an engine that never closes its ops does. An exit handler
+    registered before arnorm's (so it runs after) writes how many gloo worker threads are left."""
+    import atexit
+
+    def count() -> None:
+        with open(f"{report}.{rank}", "w") as f:
+            f.write(str(_gloo_threads()))
+
+    atexit.register(count)
+    partials, residual, weight = make_inputs(rank, world, 2, 64, torch.float32)
+    op = arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD, hidden_size=64, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6),
+        backend="reference", device="cpu", max_tokens=8,
+    )  # fmt: skip
+    op(partials[rank].clone(), residual, weight)
+    arnorm.fused_allreduce_norm(
+        partials[rank].clone(), residual, weight, group=torch.distributed.group.WORLD, eps=1e-6
+    )
+    _KEPT.append(op)

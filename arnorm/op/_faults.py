@@ -14,6 +14,8 @@ called from that thread (:func:`claim_group`, and one identity compare per call)
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import threading
 import weakref
@@ -21,12 +23,13 @@ from typing import Any
 
 from arnorm._errors import InvalidInputError, PeerError
 
-__all__ = ["Poisoned", "call_failed", "claim_group", "poison", "thread_error", "track"]
+__all__ = ["Poisoned", "call_failed", "claim_group", "is_destroyed", "poison", "thread_error", "track"]
 
 #: Per process: group name -> (owner thread id, the live ops on the group).
 _OWNERS: dict[str, tuple[int, weakref.WeakSet[Any]]] = {}
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 _PID = os.getpid()
+_EXIT_HOOK = False
 
 
 class Poisoned:
@@ -118,8 +121,36 @@ def release(name: str, op: Any) -> None:
 
 
 def track(op: Any) -> None:
-    """Poison ``op``'s copy in a forked child (the collectives and device state are the parent's)."""
+    """Poison ``op``'s copy in a forked child (the collectives and device state are the parent's),
+    and close it at interpreter exit if its group is destroyed by then."""
+    global _EXIT_HOOK
+    if not _EXIT_HOOK:  # registered with the first op: after the handlers of whoever built it
+        atexit.register(_close_orphans)
+        _EXIT_HOOK = True
     _LIVE.add(op)
+
+
+def is_destroyed(group: Any) -> bool:
+    """Whether ``group`` is no longer registered with torch.distributed (destroy_process_group)."""
+    import torch.distributed as dist
+
+    try:
+        dist.get_process_group_ranks(group)
+    except Exception:  # KeyError (torch 2.x): no longer registered
+        return True
+    return False
+
+
+def _close_orphans() -> None:
+    """At interpreter exit, close every op still open whose group was destroyed: it can make no
+    call, and the group it holds would live into interpreter shutdown, where a gloo worker still
+    letting go of the last collective's tensors aborts the process."""
+    for op in list(_LIVE):
+        comm = getattr(op, "_comm", None)
+        group = getattr(comm, "group", None)
+        if group is not None and not getattr(op, "_closed", True) and is_destroyed(group):
+            with contextlib.suppress(Exception):  # at exit: a close that fails changes nothing
+                op.close()
 
 
 def _after_fork_in_child() -> None:

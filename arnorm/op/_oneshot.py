@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import threading
 from collections import OrderedDict
@@ -9,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import InvalidInputError
 from arnorm._problem import DTYPES
-from arnorm._types import Output, RMSNorm
-from arnorm.op._faults import group_owner
+from arnorm._types import LOCAL, Output, RMSNorm
+from arnorm.op._faults import group_owner, is_destroyed
 from arnorm.op._guards import agree_call
 from arnorm.op._op import AllReduceNorm
 from arnorm.registry._capabilities import join_or
@@ -25,6 +27,7 @@ CACHE_SIZE = 16
 
 _cache: OrderedDict[tuple[Any, ...], AllReduceNorm] = OrderedDict()
 _cache_lock = threading.Lock()
+_exit_hook: list[Any] = []  # one exit handler, registered with the first cached op
 
 
 def fused_allreduce_norm(
@@ -94,6 +97,8 @@ def fused_allreduce_norm(
             op = AllReduceNorm(group, hidden_size=h, dtype=hidden_states.dtype, norm=norm, quant=quant,
                                max_tokens=budget, inplace=inplace, device=hidden_states.device,
                                add_residual=add_residual)  # fmt: skip
+            if not _exit_hook:
+                _exit_hook.append(atexit.register(_drop_destroyed))
             _cache[key] = op
             while len(_cache) > CACHE_SIZE:
                 _, evicted = _cache.popitem(last=False)
@@ -101,6 +106,16 @@ def fused_allreduce_norm(
         else:
             _cache.move_to_end(key)
         return op(hidden_states, residual, weight, scale)
+
+
+def _drop_destroyed() -> None:
+    """At interpreter exit, close and forget the ops on destroyed groups: the cache's key would
+    keep such a group alive into interpreter shutdown (see ``arnorm.op._faults._close_orphans``)."""
+    with _cache_lock:
+        gone = [key for key in _cache if key[0] is not LOCAL and is_destroyed(key[0])]
+        for key in gone:
+            with contextlib.suppress(Exception):  # at exit: a close that fails changes nothing
+                _cache.pop(key).close()
 
 
 def _thread_error(owner: int) -> InvalidInputError:
@@ -116,8 +131,6 @@ def _thread_error(owner: int) -> InvalidInputError:
 def _check_first_thread(group: Any) -> None:
     """The first op on a TP group: built from its owner, else from the main thread only (the first
     thread to call would differ between ranks)."""
-    from arnorm._types import LOCAL
-
     if group is LOCAL or threading.current_thread() is threading.main_thread():
         return
     try:

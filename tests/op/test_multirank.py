@@ -128,3 +128,11 @@ def test_the_gloo_twin_of_a_device_group_lives_no_longer_than_its_world():
     destroy_process_group() and a new init, the next op gets a new twin and the right result."""
     assert run_ranks(2, rf.twin_after_reinit) == [(True, True, True)] * 2
 
+
+def test_ops_left_open_on_a_destroyed_group_are_closed_at_exit(tmp_path):
+    """An op (or a one-call op) still open when the process exits, its group already destroyed, is
+    closed by arnorm's exit handler: the group's gloo threads end before the interpreter shuts down
+    (a group alive then can abort the process, see the test above)."""
+    report = str(tmp_path / "threads")
+    run_ranks(2, rf.ops_open_at_exit, report)
+    assert [(tmp_path / f"threads.{r}").read_text() for r in range(2)] == ["0", "0"]
