@@ -23,6 +23,7 @@ each token count (``op.backend_for(T)`` of one auto-mode op).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -326,7 +327,13 @@ def run(args: argparse.Namespace) -> int:
     cuda = args.device == "cuda" or (args.device == "auto" and has_cuda and (torchrun or n_gpu >= world))
     tokens = list(args.tokens) if args.tokens else parse_tokens(DEFAULT_TOKENS[cuda])
     quant = None if args.quant == "none" else args.quant
+    from arnorm._config import load_config
+    from arnorm.registry._select import Preference
+
+    config = load_config()
     problem = make_problem(world, args.hidden, args.dtype, quant, max(tokens), cuda)
+    if config.batch_invariant:  # the ops read it too: the local check must ask what they will ask
+        problem = dataclasses.replace(problem, batch_invariant=True)
     names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends is not None else None
     if names == []:
         raise UsageError(
@@ -334,17 +341,15 @@ def run(args: argparse.Namespace) -> int:
             "time every eligible backend)"
         )
     backends, rejected = _timed_backends(problem, names)
-    from arnorm._config import load_config
-    from arnorm.registry._select import Preference
-
     # The "auto" column's op reads ARNORM_BACKEND like any op: the report says what chose.
-    choice = Preference.resolve(None, load_config()).source
+    choice = Preference.resolve(None, config).source
     comm = "nccl" if cuda and (n_gpu >= world or torchrun) else "gloo"
     opts: dict[str, Any] = {
         "tp": world,
         "hidden": args.hidden,
         "dtype": args.dtype,
         "quant": quant,
+        "batch_invariant": config.batch_invariant,
         "tokens": tokens,
         "iters": args.iters or (200 if cuda and args.eager else 20),
         "warmup": args.warmup if args.warmup is not None else (20 if cuda else 3),

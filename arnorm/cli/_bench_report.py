@@ -93,7 +93,8 @@ def render_table(report: dict[str, Any]) -> str:
     """The report as a markdown table, one row per (token count, backend), plus what was not timed."""
     head = (
         f"arnorm bench: tp={report['tp']} hidden={report['hidden']} {report['dtype']} "
-        f"quant={report['quant'] or 'none'} on {report['device']} ({report['comm']}, {report['launcher']}); "
+        f"quant={report['quant'] or 'none'}{' batch-invariant' if report.get('batch_invariant') else ''} "
+        f"on {report['device']} ({report['comm']}, {report['launcher']}); "
         f"{_samples_text(report)}\n"
         f"latency per call in us: median and p10-p90 over samples, each the slowest rank's time"
     )

@@ -332,3 +332,18 @@ def test_timeout_reaches_the_ranks_and_its_expiry_says_how_to_raise_it(monkeypat
     assert "--timeout" in err and "first use" in err
     assert main(argv) == 1
     assert seen["timeout"] == 900
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("example" not in _names(), reason="needs the example plugin (examples/arnorm-example)")
+def test_batch_invariant_mode_is_said_and_applied(monkeypatch, capsys):
+    """Under ARNORM_BATCH_INVARIANT the header says so, and a named backend that does not declare
+    the property is not timed, with the reason (the ops are built in that mode)."""
+    for key in [k for k in os.environ if k.startswith("ARNORM_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("ARNORM_BATCH_INVARIANT", "1")
+    argv = ["bench", "--tp", "2", "--hidden", "64", "--tokens", "1", "--iters", "2", "--warmup", "1"]
+    assert main([*argv, "--device", "cpu", "--backends", "reference,example"]) == 0
+    out = capsys.readouterr().out
+    assert "quant=none batch-invariant on cpu" in out.splitlines()[0], out
+    assert "example (incompatible): batch invariance: not declared" in out, out
