@@ -184,7 +184,7 @@ class Comm:
     def close(self) -> None:
         """Let go of every process group, communicator and store (local: the op is closed; a peer
         still calling it times out). A group kept past ``destroy_process_group`` lives until
-        interpreter exit, where a gloo worker still finishing the last collective aborts the process."""
+        interpreter exit, where a gloo worker still finishing the last collective can abort the process."""
         self._data = self._frame = self.group = self.cpu_group = self.channel = None
         if not self._broken:
             self._broken = "op: closed (needs a new arnorm.AllReduceNorm)"

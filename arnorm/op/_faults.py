@@ -144,7 +144,7 @@ def is_destroyed(group: Any) -> bool:
 def _close_orphans() -> None:
     """At interpreter exit, close every op still open whose group was destroyed: it can make no
     call, and the group it holds would live into interpreter shutdown, where a gloo worker still
-    letting go of the last collective's tensors aborts the process."""
+    letting go of the last collective's tensors can abort the process."""
     for op in list(_LIVE):
         comm = getattr(op, "_comm", None)
         group = getattr(comm, "group", None)
