@@ -24,6 +24,7 @@ class AllReduceBackend:
     fail_setup_on_rank: ClassVar[int | None] = None
     probe_reasons: ClassVar[tuple[str, ...]] = ()
     closed: ClassVar[list[str]] = []
+    groups_at_close: ClassVar[list[bool]] = []
 
     def __init__(self, problem, comm):
         self.problem, self.comm = problem, comm
@@ -54,6 +55,8 @@ class AllReduceBackend:
 
     def close(self):
         type(self).closed.append(self.name)
+        # What a plugin's close() may read: its Comm, groups included (the op lets go after it).
+        type(self).groups_at_close.append(self.comm.group is not None)
 
 
 class FastSettings(BackendSettings):

@@ -477,3 +477,16 @@ def ops_open_at_exit(rank: int, world: int, report: str) -> None:
         partials[rank].clone(), residual, weight, group=torch.distributed.group.WORLD, eps=1e-6
     )
     _KEPT.append(op)
+
+
+def groups_seen_by_close(rank: int, world: int) -> list[bool]:
+    """Whether a backend's close() still finds its Comm's group (a plugin's may need it)."""
+    import fake_backends
+
+    fake_backends.install_default()
+    with arnorm.AllReduceNorm(
+        torch.distributed.group.WORLD, hidden_size=32, dtype=torch.float32, max_tokens=8,
+        norm=arnorm.RMSNorm(1e-6), backend="fast",
+    ):  # fmt: skip
+        pass
+    return fake_backends.AllReduceBackend.groups_at_close

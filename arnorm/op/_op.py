@@ -418,7 +418,8 @@ class AllReduceNorm:
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the backends' workspaces. Idempotent; calls afterwards raise.
+        """Free the backends' workspaces, then let go of the process groups. Idempotent; calls
+        afterwards raise.
 
         Local: it enters no collective, so ranks may close in any order (a backend that must
         synchronize its peers does so in its own call path).
@@ -428,7 +429,6 @@ class AllReduceNorm:
         self._closed = True
         if self._group_name:
             release(self._group_name, self)
-        self._comm.close()
         self._table[:] = [None] * len(self._table)
         self._into_table[:] = [None] * len(self._into_table)
         self._fast_table[:] = [None] * len(self._fast_table)
@@ -441,6 +441,7 @@ class AllReduceNorm:
                 warnings.warn(
                     f"arnorm: {type(impl).__name__}.close() raised {plugin_failure(exc)}", ArnormWarning, 2
                 )
+        self._comm.close()  # after the backends: a plugin's close() may still read its Comm
 
     def __enter__(self) -> AllReduceNorm:
         return self

@@ -136,3 +136,8 @@ def test_ops_left_open_on_a_destroyed_group_are_closed_at_exit(tmp_path):
     report = str(tmp_path / "threads")
     run_ranks(2, rf.ops_open_at_exit, report)
     assert [(tmp_path / f"threads.{r}").read_text() for r in range(2)] == ["0", "0"]
+
+
+def test_a_backend_closes_before_the_op_lets_go_of_its_groups():
+    """op.close() closes the backends first: a plugin's close() may still read comm.group."""
+    assert run_ranks(2, rf.groups_seen_by_close) == [[True]] * 2
