@@ -21,7 +21,6 @@ root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import os
 import sys
@@ -150,20 +149,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton's kernels
+    dev, head = pub.open_device(args.smoke, "bench_batch_invariant")
     import torch
-    import triton
 
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench_batch_invariant: needs a CUDA GPU (or --smoke)")
-    dev: Any = pub.CpuDevice() if args.smoke else pub.CudaDevice()
     report: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": "CPU (smoke)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke, "calls": args.calls,
-        "replays": args.replays, "errors": {}, "skipped": [], "rows": [],
-    }  # fmt: skip
+        **head,
+        "calls": args.calls,
+        "replays": args.replays,
+        "errors": {},
+        "skipped": [],
+        "rows": [],
+    }
     with torch.no_grad():
         run(args, dev, report)
     report["seconds"] = pub.elapsed()

@@ -576,25 +576,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.smoke:
+def open_device(smoke: bool, script: str) -> tuple[Any, dict[str, Any]]:
+    """The device a run times on, and its report's opening fields (``smoke``: CPU, the Triton
+    interpreter; else a CUDA GPU, or exit saying so)."""
+    if smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton's kernels
     import torch
     import triton
 
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench_public_op: needs a CUDA GPU (or --smoke)")
-    dev: Any = CpuDevice() if args.smoke else CudaDevice()
+    if not smoke and not torch.cuda.is_available():
+        sys.exit(f"{script}: needs a CUDA GPU (or --smoke)")
+    head = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": "CPU (smoke)" if smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "smoke": smoke,
+    }  # fmt: skip
+    return (CpuDevice() if smoke else CudaDevice()), head
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dev, head = open_device(args.smoke, "bench_public_op")
+    import torch
+
     fi, fi_version = flashinfer_module(args)
     copies = copy_bandwidth(dev, 1 << 16 if args.smoke else COPY_BYTES)
     bw = max(copies.values(), default=0.0)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; flashinfer {fi_version}", flush=True)
     report: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": "CPU (smoke)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "flashinfer": fi_version,
-        "smoke": args.smoke, "copy_bw": copies, "copy_bw_best": bw, "calls": args.calls,
+        **head, "flashinfer": fi_version, "copy_bw": copies, "copy_bw_best": bw, "calls": args.calls,
         "replays": args.replays, "iters": args.iters, "eager_rounds": args.eager_rounds, "checks": {},
         "errors": {}, "skipped": [], "eager": [], "graph": [],
     }  # fmt: skip
