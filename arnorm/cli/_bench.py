@@ -332,8 +332,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config()
     problem = make_problem(world, args.hidden, args.dtype, quant, max(tokens), cuda)
-    if config.batch_invariant:  # the ops read it too: the local check must ask what they will ask
-        problem = dataclasses.replace(problem, batch_invariant=True)
+    # As `arnorm explain` does: the ops read the mode too, so the local check asks what they will.
+    problem = dataclasses.replace(problem, batch_invariant=config.batch_invariant)
     names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends is not None else None
     if names == []:
         raise UsageError(
@@ -349,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         "hidden": args.hidden,
         "dtype": args.dtype,
         "quant": quant,
-        "batch_invariant": config.batch_invariant,
+        "batch_invariant": problem.batch_invariant,
         "tokens": tokens,
         "iters": args.iters or (200 if cuda and args.eager else 20),
         "warmup": args.warmup if args.warmup is not None else (20 if cuda else 3),
