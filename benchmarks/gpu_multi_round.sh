@@ -35,7 +35,7 @@ log() { echo "[$(($(date +%s) - T0))s] $*" | tee -a "$OUT/summary.txt"; }
 if [ "$DRY_RUN" = 1 ]; then
   PY="${PYTHON:-python3}"
   export TRITON_INTERPRET=1 PYTHONUNBUFFERED=1
-  export PYTHONPATH="$PWD:$PWD/examples/arnorm-example${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD:$PWD/backends/arnorm-example${PYTHONPATH:+:$PYTHONPATH}"
   N=2
   TPS=2
   log "DRY RUN on CPU: gloo, tiny shapes, Triton's interpreter; no number here is a measurement"

@@ -151,3 +151,17 @@ def test_nothing_cites_a_design_document_outside_the_repository():
         if f"{_OUTSIDE_DOC}.md" in text or f"the {_OUTSIDE_DOC}" in text:
             offenders.append(rel)
     assert offenders == []
+
+
+def test_the_top_level_is_the_design_cards():
+    """docs/architecture.md's rooms: the core, the three first-party backends, and ``backends/``
+    holding separately packaged plugin distributions, each installable on its own."""
+    for name in ("arnorm", "backends", "arnorm_flashinfer", "arnorm_aiter", "arnorm_triton", "tests"):
+        assert (REPO / name).is_dir(), f"{name}/ is missing from the top level"
+    for name in ("pyproject.toml", "README.md"):
+        assert (REPO / name).is_file(), f"{name} is missing from the top level"
+    dists = [p for p in (REPO / "backends").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert any(p.name == "arnorm-example" for p in dists)
+    for dist in dists:
+        assert (dist / "pyproject.toml").is_file(), f"backends/{dist.name} is not a distribution"
+    assert not (REPO / "examples").exists(), "plugin distributions live under backends/"

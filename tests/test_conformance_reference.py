@@ -13,7 +13,7 @@ class TestReferenceConformance(ConformanceSuite):
 
 
 class TestExampleConformance(ConformanceSuite):
-    """The example plugin from examples/arnorm-example, installed by CI."""
+    """The example plugin from backends/arnorm-example, installed by CI."""
 
     backend = "example"
     world_sizes = (1, 2)

@@ -15,7 +15,7 @@ def _installed() -> bool:
     return any(ep.name == "example" for ep in importlib.metadata.entry_points(group="arnorm.backends"))
 
 
-pytestmark = pytest.mark.skipif(not _installed(), reason="pip install -e examples/arnorm-example (CI does)")
+pytestmark = pytest.mark.skipif(not _installed(), reason="pip install -e backends/arnorm-example (CI does)")
 
 
 def test_example_is_discovered_with_its_version():

@@ -133,7 +133,7 @@ def test_the_peer_timeout_setting_is_read_from_config_whatever_its_name(monkeypa
 
 def _env():
     path = os.pathsep.join(
-        [str(REPO), str(REPO / "examples" / "arnorm-example"), os.environ.get("PYTHONPATH", "")]
+        [str(REPO), str(REPO / "backends" / "arnorm-example"), os.environ.get("PYTHONPATH", "")]
     )
     return dict(os.environ, PYTHONPATH=path, TRITON_INTERPRET="1", ARNORM_DISABLE="triton")
 

@@ -335,7 +335,7 @@ def test_timeout_reaches_the_ranks_and_its_expiry_says_how_to_raise_it(monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.skipif("example" not in _names(), reason="needs the example plugin (examples/arnorm-example)")
+@pytest.mark.skipif("example" not in _names(), reason="needs the example plugin (backends/arnorm-example)")
 def test_batch_invariant_mode_is_said_and_applied(monkeypatch, capsys):
     """Under ARNORM_BATCH_INVARIANT the header says so, and a named backend that does not declare
     the property is not timed, with the reason (the ops are built in that mode)."""
