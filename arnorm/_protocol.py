@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from arnorm._problem import Problem
     from arnorm._settings import BackendSettings
     from arnorm._types import Output
-    from arnorm.op._comm import Comm
+    from arnorm.comm._comm import Comm
 
 __all__ = ["FusedAllReduceNorm"]
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from arnorm._problem import Problem
     from arnorm._settings import BackendSettings
-    from arnorm.op._comm import Comm
+    from arnorm.comm._comm import Comm
 
 __all__ = ["ReferenceBackend", "add_rmsnorm", "mean_square_rows", "quantize_output", "rank_order_sum"]
 

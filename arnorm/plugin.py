@@ -37,7 +37,7 @@ from arnorm._protocol import FusedAllReduceNorm
 from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
 from arnorm._settings import BackendSettings
 from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation
-from arnorm.op._comm import Comm
+from arnorm.comm._comm import Comm
 from arnorm.registry._capabilities import Capabilities, check_capabilities, join_or
 from arnorm.registry._spec import BackendSpec, hookimpl
 

@@ -242,7 +242,7 @@ def group_safety(rank: int, world: int):
     """4 ranks in two TP groups of 2: the errors a device group without its CPU twin gets, and the fix."""
     import torch.distributed as dist
 
-    import arnorm.op._comm as comm_module
+    import arnorm.comm._comm as comm_module
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     twins = [dist.new_group([0, 1]), dist.new_group([2, 3])]

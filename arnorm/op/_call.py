@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import BackendBrokenError, InvalidInputError, PeerError
 from arnorm._types import Output
+from arnorm.comm._comm import CALL_CODES
 from arnorm.op._caller_outputs import check_out_tensors, copy_into, unwritten_destination
 from arnorm.op._check import check_call
-from arnorm.op._comm import CALL_CODES
 from arnorm.op._custom_op import call_custom_op
 from arnorm.op._faults import call_failed, thread_error
 from arnorm.op._guards import agree_call, guard, no_backend

@@ -12,16 +12,16 @@ from arnorm._config import Config, load_config
 from arnorm._errors import ArnormError, ArnormWarning, InvalidInputError, PeerError
 from arnorm._problem import Problem
 from arnorm._types import Output, RMSNorm
+from arnorm.comm._comm import CallToken, Comm
+from arnorm.comm._rendezvous import open_agreement
 from arnorm.op._accel import AccelState, accelerator
 from arnorm.op._args import build_problem, resolve_device
 from arnorm.op._call import call
 from arnorm.op._caller_outputs import CopyInto, OutRules, OutTrust, empty_output
 from arnorm.op._check import CallRules, needs_scale
-from arnorm.op._comm import CallToken, Comm
 from arnorm.op._custom_op import register_handle, unregister_handle
 from arnorm.op._faults import claim_group, release, track
 from arnorm.op._guards import Trust, no_backend, with_zero_residual
-from arnorm.op._rendezvous import open_agreement
 from arnorm.registry._capabilities import did_you_mean
 from arnorm.registry._discovery import get_registry
 from arnorm.registry._explain import Explanation

@@ -35,7 +35,7 @@ from arnorm.registry._probe import load_class, probe
 from arnorm.registry._spec import priority_order
 
 if TYPE_CHECKING:
-    from arnorm.op._comm import Comm
+    from arnorm.comm._comm import Comm
 
 __all__ = ["Plan", "Preference", "check_locally", "explain_locally", "select"]
 

@@ -1,7 +1,7 @@
 """``Comm``: the TP group an op runs on, plus the channels used for agreement.
 
 Agreement (arguments, eligibility, setup success, ``ARNORM_CHECK_CALLS`` fingerprints) travels
-through the process group's store (:mod:`arnorm.op._rendezvous`), keyed by the op and the step, so it
+through the process group's store (:mod:`arnorm.comm._rendezvous`), keyed by the op and the step, so it
 can never pair with a data collective or another op's agreement; it falls back to the gloo CPU
 group where no store is reachable. It works before any device communicator exists and never
 touches the GPU stream.
@@ -271,7 +271,7 @@ class Comm:
             notes = [n for r in range(self.world_size) if r != self.rank and (n := channel.note(r))]
         if notes:
             return notes[0]
-        from arnorm.op._rendezvous import ranks_text
+        from arnorm.comm._rendezvous import ranks_text
 
         others = [r for r in range(self.world_size) if r != self.rank]
         missing = others if channel is None or len(others) == 1 else channel.late_ranks(self.calls)
