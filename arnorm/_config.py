@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from arnorm._settings import PREFIX, config_error, read_environment
+from arnorm._environment import PREFIX, config_error, read_environment
 from arnorm.registry._imports import DEFAULT_TIMEOUT, MAX_TIMEOUT
 
 __all__ = ["Config", "load_config", "parse_names"]
@@ -151,7 +151,7 @@ class Config(BaseSettings):
 
 def load_config() -> Config:
     """``Config()`` from the environment, after warning about ``ARNORM_*`` names no setting reads."""
-    from arnorm._settings import warn_unknown_variables
+    from arnorm._environment import warn_unknown_variables
     from arnorm.registry._discovery import get_registry
 
     registry = get_registry()

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from arnorm._environment import BackendSettings
     from arnorm._problem import Problem
-    from arnorm._settings import BackendSettings
     from arnorm._types import Output
     from arnorm.comm._comm import Comm
 

@@ -21,8 +21,8 @@ from arnorm._types import Output, QuantizedActivation
 if TYPE_CHECKING:
     import torch
 
+    from arnorm._environment import BackendSettings
     from arnorm._problem import Problem
-    from arnorm._settings import BackendSettings
     from arnorm.comm._comm import Comm
 
 __all__ = ["ReferenceBackend", "add_rmsnorm", "mean_square_rows", "quantize_output", "rank_order_sum"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from arnorm._config import Config, parse_names
+from arnorm._environment import BackendSettings, backend_settings
 from arnorm._errors import (
     ArnormError,
     BackendBrokenError,
@@ -26,7 +27,6 @@ from arnorm._errors import (
     NoEligibleBackendError,
 )
 from arnorm._problem import Problem
-from arnorm._settings import BackendSettings, backend_settings
 from arnorm.registry._capabilities import check_capabilities, did_you_mean, join_or
 from arnorm.registry._discovery import Registry
 from arnorm.registry._explain import Explanation, Verdict

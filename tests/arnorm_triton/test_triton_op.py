@@ -105,7 +105,7 @@ def test_probe_reports_missing_triton(monkeypatch):
 
 def test_settings_are_the_backends_own(clean_env):
     """TritonSettings is declared on the spec and read from ARNORM_TRITON_EXACT / ARNORM_TRITON_PDL."""
-    from arnorm._settings import backend_settings
+    from arnorm._environment import backend_settings
     from arnorm.registry._discovery import get_registry
 
     (spec,) = arnorm_backends()

@@ -223,10 +223,10 @@ def test_wrong_argument_types_are_arnorm_errors_naming_the_argument(clean_env, k
 
 def test_lower_case_variables_are_ignored_with_a_warning(clean_env):
     """arnorm_backend=... is not honoured under a name the messages would not show; it warns instead."""
-    from arnorm import _settings
+    from arnorm import _environment
     from arnorm._config import load_config
 
-    _settings._warned.clear() if hasattr(_settings, "_warned") else None
+    _environment._warned.clear()
     clean_env.setenv("arnorm_backend", "reference")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
