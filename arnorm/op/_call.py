@@ -11,13 +11,11 @@ the data pointers the test already read, so neither side reads them twice. These
 
 from __future__ import annotations
 
-import sys
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import BackendBrokenError, InvalidInputError, PeerError
 from arnorm._types import Output
-from arnorm.comm._comm import CALL_CODES
 from arnorm.op._caller_outputs import check_out_tensors, copy_into, unwritten_destination
 from arnorm.op._check import check_call
 from arnorm.op._custom_op import call_custom_op
@@ -211,7 +209,7 @@ def call(
             try:
                 result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
             except BaseException as exc:
-                call_failed(self, exc, sys._getframe())
+                call_failed(self, exc)
                 raise
             if result is not None:
                 if out is not None and not (
@@ -237,7 +235,7 @@ def call(
             else:
                 result = self._into_table[t](hidden_states, residual, weight, scale, out)
         except BaseException as exc:
-            call_failed(self, exc, sys._getframe())
+            call_failed(self, exc)
             raise
         if out is not None:
             result = returned_out(self, result, out, hidden_states)
@@ -298,6 +296,3 @@ def trust_weight(self: AllReduceNorm, weight: Any, ptr: int) -> bool:
         self._last_weight, self._last_wptr = weight, ptr
         return True
     return False
-
-
-CALL_CODES.update((call.__code__,))

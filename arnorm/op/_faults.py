@@ -56,7 +56,7 @@ def poison(op: Any, message: str) -> None:
     op._fast_table[:] = [None] * len(op._fast_table)
 
 
-def call_failed(op: Any, exc: BaseException, frame: Any = None) -> None:
+def call_failed(op: Any, exc: BaseException) -> None:
     """A backend call of ``op`` raised: at TP > 1 its collectives may be out of step with the peers'.
 
     The op is poisoned on this rank; the Comm tells the peers in the collective slot this rank
@@ -70,8 +70,7 @@ def call_failed(op: Any, exc: BaseException, frame: Any = None) -> None:
     else:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if comm.counts_calls:
-            number = comm.calls if comm.in_call(frame) else comm.calls + 1
-            which = f"its call {number}"
+            which = f"its call {comm.call_number()}"
         else:
             which = "a call"
         message = (
