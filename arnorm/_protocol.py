@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from arnorm._environment import BackendSettings
+    from arnorm._config import BackendSettings
     from arnorm._problem import Problem
     from arnorm._types import Output
     from arnorm.comm._comm import Comm

@@ -21,7 +21,7 @@ from arnorm._types import Output, QuantizedActivation
 if TYPE_CHECKING:
     import torch
 
-    from arnorm._environment import BackendSettings
+    from arnorm._config import BackendSettings
     from arnorm._problem import Problem
     from arnorm.comm._comm import Comm
 

@@ -24,7 +24,7 @@ imports no torch: ``quantize``, ``dequantize`` and ``empty_quantized`` load :mod
 # here is the plugin API (``__all__``), and those would bind ``annotations``, ``Any``, ...
 import typing as _typing
 
-from arnorm._environment import BackendSettings
+from arnorm._config import BackendSettings
 from arnorm._errors import (
     ArnormError,
     BackendSetupError,

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from arnorm._config import Config, load_config
+from arnorm._config import Config, peer_timeout
 from arnorm._errors import ArnormError, ArnormWarning, InvalidInputError, PeerError
 from arnorm._problem import Problem
 from arnorm._types import Output, RMSNorm
@@ -26,7 +26,8 @@ from arnorm.registry._capabilities import did_you_mean
 from arnorm.registry._discovery import get_registry
 from arnorm.registry._explain import Explanation
 from arnorm.registry._failure import plugin_failure
-from arnorm.registry._select import Preference, agree, agreement_facts, load_settings, select
+from arnorm.registry._load import load_config, load_settings
+from arnorm.registry._select import Preference, agree, agreement_facts, select
 
 if TYPE_CHECKING:
     import torch
@@ -207,7 +208,7 @@ class AllReduceNorm:
             # rank alone, and every rank running the same program raises it alike.
             self._group_name = str(getattr(comm.group, "group_name", id(comm.group)))
             self._owner = claim_group(self._group_name, self)
-            open_agreement(comm, config)
+            open_agreement(comm, peer_timeout(config))
         registry = get_registry()
         try:
             if error is not None:
@@ -221,8 +222,7 @@ class AllReduceNorm:
                 config = load_config()
             elif not isinstance(config, Config):
                 raise InvalidInputError(f"config: {type(config).__name__} (needs arnorm.Config(...))")
-            if config.batch_invariant:
-                problem = dataclasses.replace(problem, batch_invariant=True)
+            problem = config.configured(problem)
             pref = Preference.resolve(backend, config)
             settings = load_settings(registry, config)
             warn_unknown_names(pref, registry)
