@@ -421,7 +421,7 @@ def twin_after_reinit(rank: int, world: int) -> tuple[bool, bool, bool]:
 
     import torch.distributed as dist
 
-    from arnorm.op import _comm
+    from arnorm.comm import _comm
 
     store = dist.distributed_c10d._get_default_store()
     cpu_capable = _comm._supports_cpu
