@@ -1,20 +1,42 @@
-"""``Config``: the core's settings, set in code or through ``ARNORM_*`` variables (one to one).
+"""What can be configured: the core's :class:`Config` and the base of a backend's settings.
 
-Backends own their settings (:class:`arnorm.plugin.BackendSettings`, read from
-``ARNORM_<BACKEND>_*``); ``Config.settings`` overrides them in code.
+``Config`` is set in code or through ``ARNORM_*`` variables (one to one). Backends own their
+settings (:class:`BackendSettings`, read from ``ARNORM_<BACKEND>_*``); ``Config.settings``
+overrides them in code. The timeouts' defaults and bound are written here, once: discovery, the
+probe and the agreement between ranks read them from here. (:mod:`arnorm._environment` reads
+the variables; :mod:`arnorm.registry._load` reads settings against the registered backends.)
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import dataclasses
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BeforeValidator, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from arnorm._settings import PREFIX, config_error, read_environment
-from arnorm.registry._imports import DEFAULT_TIMEOUT, MAX_TIMEOUT
+from arnorm._environment import PREFIX, config_error, read_environment
+from arnorm._errors import ArnormError
 
-__all__ = ["Config", "load_config", "parse_names"]
+if TYPE_CHECKING:
+    from arnorm._problem import Problem
+
+__all__ = [
+    "DEFAULT_PEER_TIMEOUT",
+    "DEFAULT_PROBE_TIMEOUT",
+    "MAX_TIMEOUT",
+    "BackendSettings",
+    "Config",
+    "parse_names",
+    "peer_timeout",
+]
+
+#: Seconds a plugin's import, or a backend's probe, may take (``Config.probe_timeout``'s default).
+DEFAULT_PROBE_TIMEOUT = 15.0
+#: Seconds construction and a CPU (gloo) call wait for the peers (``Config.peer_timeout``'s default).
+DEFAULT_PEER_TIMEOUT = 600.0
+#: The largest timeout accepted: a day, far inside what ``Thread.join`` takes (``threading.TIMEOUT_MAX``).
+MAX_TIMEOUT = 86400.0
 
 
 def parse_names(value: object) -> tuple[str, ...]:
@@ -86,7 +108,7 @@ class Config(BaseSettings):
         "raise the same error on every rank when they differ (a few store round trips per call).",
     )
     probe_timeout: float = Field(
-        default=DEFAULT_TIMEOUT,
+        default=DEFAULT_PROBE_TIMEOUT,
         gt=0,
         # A wait the threading module can take (1e10 s overflows Thread.join), told up front.
         le=MAX_TIMEOUT,
@@ -96,7 +118,7 @@ class Config(BaseSettings):
         "create()); at most 86400.",
     )
     peer_timeout: float = Field(
-        default=600.0,
+        default=DEFAULT_PEER_TIMEOUT,
         gt=0,
         le=MAX_TIMEOUT,
         allow_inf_nan=False,
@@ -148,16 +170,32 @@ class Config(BaseSettings):
     def __hash__(self) -> int:
         return hash(repr(self.model_dump()))
 
+    def configured(self, problem: Problem) -> Problem:
+        """``problem`` as this Config asks for it: the one place a Config field becomes a Problem
+        field (``batch_invariant``), for ops, ``arnorm explain`` and ``arnorm bench`` alike."""
+        return dataclasses.replace(problem, batch_invariant=self.batch_invariant)
 
-def load_config() -> Config:
-    """``Config()`` from the environment, after warning about ``ARNORM_*`` names no setting reads."""
-    from arnorm._settings import warn_unknown_variables
-    from arnorm.registry._discovery import get_registry
 
-    registry = get_registry()
-    backends = {
-        i.name: tuple(i.spec.settings.model_fields) if i.spec and i.spec.settings else ()
-        for i in registry.infos()
-    }
-    warn_unknown_variables(Config._env_fields(), backends)
-    return Config()
+def peer_timeout(config: object) -> float:
+    """``config.peer_timeout``; the environment's when ``config`` is not a Config yet (a malformed one
+    is reported through the agreement itself), and the default when the environment's is malformed."""
+    if isinstance(config, Config):
+        return config.peer_timeout
+    try:
+        return float(Config().peer_timeout)
+    except ArnormError:
+        return DEFAULT_PEER_TIMEOUT
+
+
+class BackendSettings(BaseModel):
+    """Base class of a backend's own settings: frozen, unknown fields rejected.
+
+    Subclass it with typed, documented fields and name the class in ``BackendSpec(settings=...)``;
+    arnorm reads each field from ``ARNORM_<BACKEND>_<FIELD>`` (upper case), lets ``Config(settings=
+    {"<backend>": {...}})`` override it in code, checks that every rank has the same values, shows
+    them in ``explain`` and hands the instance to the backend's ``create()``. Numbers that must be
+    positive should say so (``Field(gt=0, allow_inf_nan=False)``): a value that cannot agree
+    across ranks is better rejected where it is read.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from arnorm._config import BackendSettings
     from arnorm._problem import Problem
-    from arnorm._settings import BackendSettings
     from arnorm._types import Output
-    from arnorm.op._comm import Comm
+    from arnorm.comm._comm import Comm
 
 __all__ = ["FusedAllReduceNorm"]
 

@@ -21,9 +21,9 @@ from arnorm._types import Output, QuantizedActivation
 if TYPE_CHECKING:
     import torch
 
+    from arnorm._config import BackendSettings
     from arnorm._problem import Problem
-    from arnorm._settings import BackendSettings
-    from arnorm.op._comm import Comm
+    from arnorm.comm._comm import Comm
 
 __all__ = ["ReferenceBackend", "add_rmsnorm", "mean_square_rows", "quantize_output", "rank_order_sum"]
 

@@ -24,6 +24,7 @@ imports no torch: ``quantize``, ``dequantize`` and ``empty_quantized`` load :mod
 # here is the plugin API (``__all__``), and those would bind ``annotations``, ``Any``, ...
 import typing as _typing
 
+from arnorm._config import BackendSettings
 from arnorm._errors import (
     ArnormError,
     BackendSetupError,
@@ -35,9 +36,8 @@ from arnorm._formats import FORMAT_SPECS, FormatSpec, format_spec, round_up
 from arnorm._problem import DTYPES, Problem
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
-from arnorm._settings import BackendSettings
 from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation
-from arnorm.op._comm import Comm
+from arnorm.comm._comm import Comm
 from arnorm.registry._capabilities import Capabilities, check_capabilities, join_or
 from arnorm.registry._spec import BackendSpec, hookimpl
 

@@ -56,13 +56,17 @@ def measure(
     w = torch.randn(h, dtype=torch.bfloat16)
     s = torch.ones(1) if quant == "fp8_static" else None
     stub = _Stub()
-    op._table[1:] = [stub] * (len(op._table) - 1)  # every token count dispatches to the stub
+    op._dispatch.table[1:] = [stub] * (
+        len(op._dispatch.table) - 1
+    )  # every token count dispatches to the stub
     if test is not None:
         from arnorm.op._accel import accelerator
 
-        op._fast_table[1:] = [_fast] * (len(op._fast_table) - 1)  # the list the C state holds too
-        op._accept = accelerator().accept if test == "c" else None
-        if test == "c" and op._accept is None:
+        op._dispatch.fast_table[1:] = [_fast] * (
+            len(op._dispatch.fast_table) - 1
+        )  # the list the C state holds too
+        op._dispatch.accept = accelerator().accept if test == "c" else None
+        if test == "c" and op._dispatch.accept is None:
             raise SystemExit(f"the C helper is not available: {accelerator().reason}")
         assert op(x, r, w, s) is _DONE
 

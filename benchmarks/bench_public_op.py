@@ -352,8 +352,8 @@ def eager_paths(
         f"  out=, pdl off ({op_plain.backend})": lambda: op_plain(x, r, w, s, out=out_plain),
         f"  out=, Python check (accelerate off) ({op_py.backend})": lambda: op_py(x, r, w, s, out=out_py),
     }
-    impl = getattr(op, "_table", [None, None])[1]  # the selected backend (private: a breakdown)
-    fast = getattr(op, "_fast_table", [None, None])[1]
+    dispatch = op._dispatch  # what a call reads (private: a breakdown)
+    impl, fast = dispatch.table[1], dispatch.fast_table[1]  # the selected backend and its fast path
     if fast is not None:
         xp, rp, wp, sp = x.data_ptr(), r.data_ptr(), w.data_ptr(), 0 if s is None else s.data_ptr()
         paths["  its fast path, out=, pointers given"] = lambda: fast(1, x, r, w, s, out, xp, rp, wp, sp)

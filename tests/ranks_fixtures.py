@@ -242,7 +242,7 @@ def group_safety(rank: int, world: int):
     """4 ranks in two TP groups of 2: the errors a device group without its CPU twin gets, and the fix."""
     import torch.distributed as dist
 
-    import arnorm.op._comm as comm_module
+    import arnorm.comm._comm as comm_module
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     twins = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -308,7 +308,7 @@ def without_residual(rank: int, world: int, backend: str | None):
         out = op(partials[rank].clone(), None, weight)
         h, y = add_rmsnorm(rank_order_sum(partials), None, weight, 1e-6, 1.0)
         same = torch.equal(out.residual.view(torch.int16), h.view(torch.int16))
-        wrapped = isinstance(op._table[5], ZeroResidual)
+        wrapped = isinstance(op._dispatch.table[5], ZeroResidual)
         return op.backend, same, torch.equal(out.normed.view(torch.int16), y.view(torch.int16)), wrapped
 
 
@@ -421,7 +421,7 @@ def twin_after_reinit(rank: int, world: int) -> tuple[bool, bool, bool]:
 
     import torch.distributed as dist
 
-    from arnorm.op import _comm
+    from arnorm.comm import _comm
 
     store = dist.distributed_c10d._get_default_store()
     cpu_capable = _comm._supports_cpu

@@ -1,5 +1,6 @@
-"""The layout's rules (docs/architecture.md): no module-level import circles, one table of formats,
-and no reference to a design document outside the repository."""
+"""The layout's rules (docs/architecture.md): no import loop of any kind but the named ones, rooms
+that import downwards only, one table of formats, and no reference to a design document outside
+the repository."""
 
 from __future__ import annotations
 
@@ -24,25 +25,16 @@ def _modules() -> dict[str, pathlib.Path]:
     return mods
 
 
-def _module_level_imports(path: pathlib.Path) -> list[str]:
-    """First-party names imported when the module is imported: not inside functions, not under
-    ``TYPE_CHECKING``."""
+def _imports(path: pathlib.Path) -> list[str]:
+    """Every first-party name ``path`` imports: at module level, inside functions (deferred) and
+    under ``TYPE_CHECKING`` (type-only) alike. A deferred or type-only edge still ties the two
+    modules' designs together, and a loop of them is the same knot, only harder to see."""
     names = []
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                visit(node.orelse)
-            elif isinstance(node, (ast.If, ast.Try, ast.With)):
-                for field in ("body", "orelse", "finalbody", "handlers"):
-                    for sub in getattr(node, field, []):
-                        visit(sub.body if isinstance(sub, ast.ExceptHandler) else [sub])
-            elif isinstance(node, ast.Import):
-                names.extend(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.extend(f"{node.module}.{a.name}" for a in node.names)
-
-    visit(ast.parse(path.read_text()).body)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.extend(f"{node.module}.{a.name}" for a in node.names)
     return names
 
 
@@ -56,9 +48,9 @@ def _import_graph() -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        for name in _module_level_imports(path):
+        for name in _imports(path):
             target = resolve(name)
-            # A package importing its own submodules to re-export them is its own room, not a circle.
+            # A package importing its own submodules to re-export them is its own room, not a loop.
             if target and target != mod and not target.startswith(mod + "."):
                 graph[mod].add(target)
     return graph
@@ -98,13 +90,74 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_module_level_import_circles():
-    assert _cycles(_import_graph()) == []
+#: The import loops the house keeps, each with its reason (docs/architecture.md, "The rooms").
+ALLOWED_LOOPS = {
+    # QuantizedActivation.dequantize() imports arnorm.quant when called: the public value types
+    # stay free of torch while arnorm.quant builds them. Deferred, one edge, by design.
+    frozenset({"arnorm._types", "arnorm.quant"}): "QuantizedActivation.dequantize() calls the codec",
+}
 
 
-def test_the_planted_circle_is_found():
-    """The detector itself: a two-module circle is reported."""
+def test_no_import_loop_of_any_kind_but_the_named_ones():
+    """Module-level, deferred (in-function) and type-only imports all count."""
+    loops = {frozenset(c) for c in _cycles(_import_graph())}
+    assert loops - set(ALLOWED_LOOPS) == set(), "an import loop that docs/architecture.md does not name"
+    assert set(ALLOWED_LOOPS) - loops == set(), (
+        "a named loop is gone: drop it from ALLOWED_LOOPS and the docs"
+    )
+
+
+def test_the_planted_loop_is_found():
+    """The detector itself: a two-module loop is reported."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+def test_deferred_and_type_only_imports_are_edges(tmp_path):
+    """An import inside a function and one under ``TYPE_CHECKING`` count as much as a top-level one."""
+    mod = tmp_path / "m.py"
+    mod.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from arnorm.op._op import AllReduceNorm\n"
+        "def f():\n    from arnorm.registry import _select\n    import arnorm.comm._comm\n"
+    )
+    assert _imports(mod) == [
+        "typing.TYPE_CHECKING", "arnorm.op._op.AllReduceNorm", "arnorm.registry._select", "arnorm.comm._comm"
+    ]  # fmt: skip
+
+
+#: The ground floor: value types, errors, the format table and the problem, which import nothing
+#: above them.
+_FLOOR = ("arnorm._errors", "arnorm._formats", "arnorm._problem", "arnorm._types")
+#: Rooms and what each may import from the house, every kind of import counted: settings and
+#: communication lie under the protocol, the registry and the op; the registry under the op.
+_BELOW = {
+    "arnorm._environment": ("arnorm._errors",),
+    "arnorm._config": ("arnorm._environment", "arnorm._errors", "arnorm._problem"),
+    "arnorm.comm": (*_FLOOR, "arnorm.comm"),
+    "arnorm._protocol": (*_FLOOR, "arnorm._config", "arnorm.comm"),
+    "arnorm.registry": (
+        *_FLOOR,
+        "arnorm._config",
+        "arnorm._environment",
+        "arnorm._protocol",
+        "arnorm.comm",
+        "arnorm.registry",
+    ),
+}
+
+
+@pytest.mark.parametrize("room", sorted(_BELOW))
+def test_rooms_import_downwards_only(room):
+    graph = _import_graph()
+    allowed = _BELOW[room]
+    wrong = {
+        f"{mod} -> {target}"
+        for mod, targets in graph.items()
+        if mod == room or mod.startswith(room + ".")
+        for target in targets
+        if not any(target == a or target.startswith(a + ".") for a in allowed)
+    }
+    assert wrong == set()
 
 
 def test_format_names_derive_from_the_one_table():

@@ -104,7 +104,7 @@ def test_bad_values_in_code_are_config_errors(field, value):
 def test_malformed_variable_is_a_config_error_naming_it(clean_env):
     """A bad ARNORM_* value raises ConfigError naming the variable and its value."""
     from arnorm import ConfigError
-    from arnorm._config import load_config
+    from arnorm.registry._load import load_config
 
     clean_env.setenv("ARNORM_CHECK_CALLS", "maybe")
     with pytest.raises(ConfigError, match=r"ARNORM_CHECK_CALLS: 'maybe' \("):
@@ -113,10 +113,31 @@ def test_malformed_variable_is_a_config_error_naming_it(clean_env):
 
 def test_misspelt_variable_warns(clean_env):
     """An ARNORM_* variable that is no setting is reported instead of ignored."""
-    from arnorm._config import load_config
+    from arnorm.registry._load import load_config
 
     clean_env.setenv("ARNORM_BACKENDS", "triton")
     with pytest.warns(
         UserWarning, match=r"ARNORM_BACKENDS: not an arnorm setting \(needs one of ARNORM_BACKEND"
     ):
         load_config()
+
+
+def test_the_peer_timeout_of_a_config_not_yet_checked(clean_env):
+    """Construction opens agreement before it checks ``config``: a Config's own timeout, else the
+    environment's, else (a malformed variable, reported later through the agreement) the default."""
+    from arnorm._config import DEFAULT_PEER_TIMEOUT, peer_timeout
+
+    assert peer_timeout(Config(peer_timeout=3)) == 3
+    clean_env.setenv("ARNORM_PEER_TIMEOUT", "7")
+    assert peer_timeout(None) == peer_timeout("not a config") == 7
+    clean_env.setenv("ARNORM_PEER_TIMEOUT", "soon")
+    assert peer_timeout(None) == DEFAULT_PEER_TIMEOUT == Config.model_fields["peer_timeout"].default
+
+
+def test_a_config_sets_the_problems_batch_invariance():
+    """The one place a Config field becomes a Problem field, for ops and the CLI alike."""
+    from arnorm._problem import Problem
+
+    problem = Problem(1, 64, "float32", 1e-6, 0.0, None, None, 8, True, True, "cpu", "cpu")
+    assert Config(batch_invariant=True).configured(problem).batch_invariant
+    assert not Config().configured(problem).batch_invariant

@@ -23,7 +23,6 @@ each token count (``op.backend_for(T)`` of one auto-mode op).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -119,8 +118,8 @@ def select_backends(
     order (priority, then name; ``ARNORM_DISABLE`` respected); else exactly ``names``, in that
     order, and the ones that are not eligible with their verdicts.
     """
-    from arnorm._config import load_config
     from arnorm.registry._discovery import get_registry
+    from arnorm.registry._load import load_config
     from arnorm.registry._select import Preference, check_locally
     from arnorm.registry._spec import priority_order
 
@@ -327,13 +326,13 @@ def run(args: argparse.Namespace) -> int:
     cuda = args.device == "cuda" or (args.device == "auto" and has_cuda and (torchrun or n_gpu >= world))
     tokens = list(args.tokens) if args.tokens else parse_tokens(DEFAULT_TOKENS[cuda])
     quant = None if args.quant == "none" else args.quant
-    from arnorm._config import load_config
+    from arnorm.registry._load import load_config
     from arnorm.registry._select import Preference
 
     config = load_config()
     problem = make_problem(world, args.hidden, args.dtype, quant, max(tokens), cuda)
     # As `arnorm explain` does: the ops read the mode too, so the local check asks what they will.
-    problem = dataclasses.replace(problem, batch_invariant=config.batch_invariant)
+    problem = config.configured(problem)
     names = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends is not None else None
     if names == []:
         raise UsageError(

@@ -50,8 +50,8 @@ def report() -> str:
         ),
     ]
     lines += _gpu_lines()
-    from arnorm._config import load_config
     from arnorm.op._accel import accelerator
+    from arnorm.registry._load import load_config
 
     helper, config = accelerator(), load_config()
     if helper.accept is None:

@@ -172,10 +172,10 @@ def check_settings(backend: str | None = None) -> None:
     """Read every ``ARNORM_*`` setting (the core's and each installed backend's) and warn about
     names that match no backend, before any work: a malformed value is a usage error here (exit
     2, one line), not a traceback from every rank later."""
-    from arnorm._config import load_config
     from arnorm.op._op import warn_unknown_names
     from arnorm.registry._discovery import get_registry
-    from arnorm.registry._select import Preference, load_settings
+    from arnorm.registry._load import load_config, load_settings
+    from arnorm.registry._select import Preference
 
     config = load_config()
     registry = get_registry()
@@ -188,9 +188,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     reasons (local check: no process group, no workspace)."""
     import dataclasses
 
-    from arnorm._config import load_config, parse_names
+    from arnorm._config import parse_names
     from arnorm.registry._discovery import get_registry
-    from arnorm.registry._select import Preference, explain_locally, load_settings
+    from arnorm.registry._load import load_config, load_settings
+    from arnorm.registry._select import Preference, explain_locally
 
     problem = problem_from_args(args)
     if args.backend is not None and not parse_names(args.backend):
@@ -198,7 +199,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                          "leave it out for auto)")  # fmt: skip
     check_settings(args.backend)
     config = load_config()
-    problem = dataclasses.replace(problem, batch_invariant=config.batch_invariant)
+    problem = config.configured(problem)
     registry = get_registry()
     pref = Preference.resolve(args.backend, config)
     expl = explain_locally(problem, registry, pref, config)

@@ -30,6 +30,7 @@ import torch
 from arnorm._config import Config
 from arnorm._errors import InvalidInputError, SelectionError
 from arnorm._types import LOCAL, RMSNorm
+from arnorm.comm._comm import Comm
 from arnorm.integrations._hf_inspect import LayerPlan, ModelPlan, inspect_model
 from arnorm.integrations._hf_layers import (
     Carry,
@@ -39,7 +40,6 @@ from arnorm.integrations._hf_layers import (
     reducer,
     row_parallel_forward,
 )
-from arnorm.op._comm import Comm
 from arnorm.op._op import AllReduceNorm
 
 __all__ = ["FusedModel", "fuse"]

@@ -1,6 +1,6 @@
 /* The valid-call test of arnorm.AllReduceNorm.__call__ in C (arnorm/op/_accel.py builds and loads it).
  *
- * accept(state, op, hidden_states, residual, weight, scale, out) runs the rule of the fast test in
+ * accept(state, dispatch, hidden_states, residual, weight, scale, out) runs the rule of the fast test in
  * arnorm/op/_call.py for contiguous rows with a residual, and on success calls the backend's fast
  * path fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp) and returns its result.
  * Anything else (a test that fails, an input it cannot read, a weight, scale or out not trusted yet,
@@ -124,10 +124,10 @@ static int apart(u64 a, u64 b, u64 c, u64 d) { return a >= d || c >= b; }
 static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "accept(state, op, hidden_states, residual, weight, scale, out)");
+        PyErr_SetString(PyExc_TypeError, "accept(state, dispatch, hidden_states, residual, weight, scale, out)");
         return NULL;
     }
-    PyObject *state = args[0], *op = args[1], *x = args[2], *res = args[3], *w = args[4], *scale = args[5],
+    PyObject *state = args[0], *dispatch = args[1], *x = args[2], *res = args[3], *w = args[4], *scale = args[5],
              *out = args[6];
     if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != ST_LEN) {
         PyErr_SetString(PyExc_TypeError, "accept: state is not the op's state tuple");
@@ -167,8 +167,8 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     rshape = PyObject_GetAttr(res, s_shape);
     if (rshape == NULL || shape2(rshape, &rt, &rc) != 1 || rt != t || rc != cols) goto decline;
     /* The weight: the last call's (identity and pointer) or one in the trust table. */
-    last = PyObject_GetAttr(op, s_last_weight);
-    lastp = PyObject_GetAttr(op, s_last_wptr);
+    last = PyObject_GetAttr(dispatch, s_last_weight);
+    lastp = PyObject_GetAttr(dispatch, s_last_wptr);
     if (last == NULL || lastp == NULL) goto decline;
     u64 lw;
     int wok = (w == last && as_u64(lastp, &lw) == 0 && lw == wp);
@@ -275,7 +275,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"accept", (PyCFunction)(void (*)(void))accept, METH_FASTCALL,
-     "accept(state, op, hidden_states, residual, weight, scale, out): the fast path's result, or "
+     "accept(state, dispatch, hidden_states, residual, weight, scale, out): the fast path's result, or "
      "NotImplemented when the Python call must run."},
     {NULL, NULL, 0, NULL},
 };
@@ -292,8 +292,8 @@ PyMODINIT_FUNC PyInit__arnorm_accel(void) {
     s_dtype = PyUnicode_InternFromString("dtype");
     s_requires_grad = PyUnicode_InternFromString("requires_grad");
     s_is_cpu = PyUnicode_InternFromString("is_cpu");
-    s_last_weight = PyUnicode_InternFromString("_last_weight");
-    s_last_wptr = PyUnicode_InternFromString("_last_wptr");
+    s_last_weight = PyUnicode_InternFromString("last_weight");
+    s_last_wptr = PyUnicode_InternFromString("last_wptr");
     s_is_neg = PyUnicode_InternFromString("is_neg");
     if (!s_shape || !s_data_ptr || !s_is_contiguous || !s_get_device || !s_dtype || !s_requires_grad ||
         !s_is_cpu || !s_last_weight || !s_last_wptr || !s_is_neg)

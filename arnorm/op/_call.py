@@ -5,13 +5,13 @@ it in words, and :func:`arnorm.op._check.check_call` builds the message when the
 property test holds the two equal), a list index that picks the backend for the token count, and
 the backend call. Where the backend has a fast path (the optional ``fast_path`` of
 :class:`arnorm.plugin.FusedAllReduceNorm`) and the rows are contiguous, the call goes there with
-the data pointers the test already read, so neither side reads them twice. These functions are
-``AllReduceNorm``'s methods; they live here to keep the class's module about construction.
+the data pointers the test already read, so neither side reads them twice. :func:`call` is
+``AllReduceNorm.__call__``: it reads the op's :class:`arnorm.op._dispatch.Dispatch` and nothing else
+of the op (the op itself only travels on, to the custom op and to :func:`arnorm.op._faults.call_failed`).
 """
 
 from __future__ import annotations
 
-import sys
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
@@ -19,15 +19,13 @@ from arnorm._errors import BackendBrokenError, InvalidInputError, PeerError
 from arnorm._types import Output
 from arnorm.op._caller_outputs import check_out_tensors, copy_into, unwritten_destination
 from arnorm.op._check import check_call
-from arnorm.op._comm import CALL_CODES
 from arnorm.op._custom_op import call_custom_op
+from arnorm.op._dispatch import Dispatch, Dispatched, closed_error
 from arnorm.op._faults import call_failed, thread_error
 from arnorm.op._guards import agree_call, guard, no_backend
 
 if TYPE_CHECKING:
     import torch
-
-    from arnorm.op._op import AllReduceNorm
 
 __all__ = ["call", "out_check", "returned_out", "trust_weight"]
 
@@ -35,7 +33,7 @@ _TWO_THREADS = "op: called from two threads at once (needs one call at a time pe
 
 
 def call(
-    self: AllReduceNorm,
+    self: Dispatched,
     hidden_states: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
@@ -71,36 +69,35 @@ def call(
     backend (a bump costs more host time than the rest of a decode call): arnorm is for
     inference, so do not pass a tensor that autograd saved for a backward.
     """
-    if self._is_compiling():
+    d = self._dispatch  # the call reads this one object (arnorm.op._dispatch), nothing else of the op
+    if d.is_compiling():
         if out is not None:  # fake tensors have no data pointers: everything else is checked
-            check_out_tensors(self._out_rules, out, hidden_states.shape[0])
-        result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
-        return result if out is None else copy_into(result, out, self._inplace)
-    owner = self._owner  # 0 at TP 1; else the thread that owns the group (arnorm.op._faults)
+            check_out_tensors(d.out_rules, out, hidden_states.shape[0])
+        result = call_custom_op(self, d.handle, hidden_states, residual, weight, scale)
+        return result if out is None else copy_into(result, out, d.inplace)
+    owner = d.owner  # 0 at TP 1; else the thread that owns the group (arnorm.op._faults)
     if owner and owner != get_ident():
         raise thread_error(owner)
     declined = False  # the backend's fast path returned None for this call: __call__ serves it
-    accept = self._accept  # None with check_calls, or without the C helper
+    accept = d.accept  # None with check_calls, or without the C helper
     if accept is not None:  # the C helper: this function's test (a subset of it), then fast(...)
-        result = accept(self._accel_state, self, hidden_states, residual, weight, scale, out)
+        result = accept(d.accel_state, d, hidden_states, residual, weight, scale, out)
         if result is not NotImplemented:
             if result is not None:
                 # With out=, the helper tested that the result holds out's tensors; one that does
                 # not comes back as a 1-tuple (an Output's type is Output, never tuple).
                 if out is None or type(result) is not tuple:
                     return result
-                return returned_out(self, result[0], out, hidden_states)
+                return returned_out(d, result[0], out, hidden_states)
             declined = True
-    if self._check_calls:
-        if self._closed:  # a closed op holds no group to agree over
-            raise self._closed_error()
-        if self._poisoned is not None:  # before agreeing: the peers' ops are poisoned too
-            raise PeerError(self._poisoned)
-        self._seq += 1
-        agree_call(
-            self._comm, self._rules, self._seq, hidden_states, residual, weight, scale, out_check(self, out)
-        )
-    token = self._token
+    if d.check_calls:
+        if d.closed:  # a closed op holds no group to agree over
+            raise closed_error()
+        if d.poisoned is not None:  # before agreeing: the peers' ops are poisoned too
+            raise PeerError(d.poisoned)
+        d.seq += 1
+        agree_call(d.comm, d.rules, d.seq, hidden_states, residual, weight, scale, out_check(d, out))
+    token = d.token
     try:
         token.pop()
     except IndexError:
@@ -108,7 +105,7 @@ def call(
     try:
         fast = None
         sp = rp = rn = 0  # no residual: an empty range at 0, which no output or input overlaps
-        h, row_bytes, dt, on_cpu, index, max_tokens = self._consts
+        h, row_bytes, dt, on_cpu, index, max_tokens = d.consts
         try:
             shape = hidden_states.shape
             t = shape[0]
@@ -116,12 +113,12 @@ def call(
             if residual is None:
                 if hidden_states.is_contiguous():
                     hn = t * row_bytes
-                    ok = not self._add_residual
-                    fast = self._fast_table[t]
-                elif self._strided:
+                    ok = not d.add_residual
+                    fast = d.fast_table[t]
+                elif d.strided:
                     hst = hidden_states.stride()
-                    hn = ((t - 1) * hst[0] + h) * self._itemsize
-                    ok = not self._add_residual and (h == 1 or hst[1] == 1) and (t == 1 or hst[0] >= h)
+                    hn = ((t - 1) * hst[0] + h) * d.itemsize
+                    ok = not d.add_residual and (h == 1 or hst[1] == 1) and (t == 1 or hst[0] >= h)
                 else:
                     ok = False
                 if on_cpu:  # is_cpu and get_device() both exclude meta tensors, and are cheap
@@ -133,11 +130,11 @@ def call(
                 if hidden_states.is_contiguous() and residual.is_contiguous():
                     hn = rn = t * row_bytes
                     ok = abs(hp - rp) >= hn
-                    fast = self._fast_table[t]
-                elif self._strided:
+                    fast = d.fast_table[t]
+                elif d.strided:
                     hst, rst = hidden_states.stride(), residual.stride()
-                    hn = ((t - 1) * hst[0] + h) * self._itemsize
-                    rn = ((t - 1) * rst[0] + h) * self._itemsize
+                    hn = ((t - 1) * hst[0] + h) * d.itemsize
+                    rn = ((t - 1) * rst[0] + h) * d.itemsize
                     ok = (h == 1 or hst[1] == rst[1] == 1) and (t == 1 or (hst[0] >= h and rst[0] >= h))
                     ok = ok and (hp >= rp + rn or rp >= hp + hn)
                 else:
@@ -148,7 +145,7 @@ def call(
                     ok = ok and hidden_states.get_device() == index and residual.get_device() == index
                 ok = (
                     ok
-                    and self._add_residual
+                    and d.add_residual
                     and residual.dtype is dt
                     and residual.shape == shape
                     and not residual.is_neg()
@@ -161,9 +158,9 @@ def call(
                 and 0 < t <= max_tokens
                 and not hidden_states.is_neg()  # a lazy negation: pointer-based backends ignore the bit
                 and (
-                    (weight is self._last_weight and wp == self._last_wptr)
-                    or self._trusted_weights.get(id(weight)) == wp
-                    or trust_weight(self, weight, wp)
+                    (weight is d.last_weight and wp == d.last_wptr)
+                    or d.trusted_weights.get(id(weight)) == wp
+                    or trust_weight(d, weight, wp)
                 )
                 and (wp >= hp + hn or hp >= wp + row_bytes)
             )
@@ -171,21 +168,21 @@ def call(
                 sp = scale.data_ptr()
                 ok = (
                     ok
-                    and (self._trusted_scales.get(id(scale)) == sp or self._trust.scale(scale, sp))
+                    and (d.trusted_scales.get(id(scale)) == sp or d.trust.scale(scale, sp))
                     and (sp >= hp + hn or hp >= sp + 4)
                 )
-            elif self._scaled:
+            elif d.scaled:
                 ok = False
             grad = (
                 ok
-                and self._grad_enabled()
+                and d.grad_enabled()
                 and (
                     hidden_states.requires_grad
                     or (residual is not None and residual.requires_grad)
                     or weight.requires_grad
                 )
             )
-            if grad and self._inplace and hidden_states.requires_grad and hidden_states.is_leaf:
+            if grad and d.inplace and hidden_states.requires_grad and hidden_states.is_leaf:
                 ok = False
         except (AttributeError, TypeError, IndexError, RuntimeError):
             ok = grad = False
@@ -193,11 +190,11 @@ def call(
         if ok and not checked:
             # OutTrust.check's trusted case inline (every out= call pays it): each destination kept
             # its data pointer and shares no byte with an input; else the full check, which raises.
-            spans = self._out_spans.get(id(out))
+            spans = d.out_spans.get(id(out))
             if spans is not None and spans[0] == t:
                 he, re_, we, se = hp + hn, rp + rn, wp + row_bytes, sp + 4 if scale is not None else 0
-                for d, a, b in spans[1]:
-                    if d.data_ptr() != a or (
+                for dest, a, b in spans[1]:
+                    if dest.data_ptr() != a or (
                         (a < he and hp < b) or (a < re_ and rp < b) or (a < we and wp < b)
                         or (a < se and sp < b)
                     ):  # fmt: skip
@@ -205,42 +202,42 @@ def call(
                 else:
                     checked = True
             if not checked:
-                self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
+                d.out_trust.check(out, t, (hidden_states, residual, weight, scale))
                 checked = True
         if fast is not None and ok and not declined:
             try:
                 result = fast(t, hidden_states, residual, weight, scale, out, hp, rp, wp, sp)
             except BaseException as exc:
-                call_failed(self, exc, sys._getframe())
+                call_failed(self, exc)
                 raise
             if result is not None:
                 if out is not None and not (
                     type(result) is Output
                     and result.normed is out.normed
                     and result.quant is out.quant
-                    and (self._inplace or result.residual is out.residual)
+                    and (d.inplace or result.residual is out.residual)
                 ):
-                    result = returned_out(self, result, out, hidden_states)
+                    result = returned_out(d, result, out, hidden_states)
                 return guard(result, hidden_states, residual, weight) if grad else result
         if not ok:
-            check_call(self._rules, hidden_states, residual, weight, scale)
-            grad = self._grad_enabled() and _requires_grad(hidden_states, residual, weight)
+            check_call(d.rules, hidden_states, residual, weight, scale)
+            grad = d.grad_enabled() and _requires_grad(hidden_states, residual, weight)
             t = hidden_states.shape[0]
-        impl = self._table[t]
+        impl = d.table[t]
         if impl is None:
-            raise self._closed_error() if self._closed else no_backend(t)
+            raise closed_error() if d.closed else no_backend(t)
         if not checked:
-            self._out_trust.check(out, t, (hidden_states, residual, weight, scale))
+            d.out_trust.check(out, t, (hidden_states, residual, weight, scale))
         try:
             if out is None:
                 result = impl(hidden_states, residual, weight, scale)
             else:
-                result = self._into_table[t](hidden_states, residual, weight, scale, out)
+                result = d.into_table[t](hidden_states, residual, weight, scale, out)
         except BaseException as exc:
-            call_failed(self, exc, sys._getframe())
+            call_failed(self, exc)
             raise
         if out is not None:
-            result = returned_out(self, result, out, hidden_states)
+            result = returned_out(d, result, out, hidden_states)
         return guard(result, hidden_states, residual, weight) if grad else result
     finally:
         token.append(None)
@@ -251,53 +248,50 @@ def _requires_grad(hidden_states: Any, residual: Any, weight: Any) -> bool:
     return bool(hidden_states.requires_grad or residual_grad or weight.requires_grad)
 
 
-def returned_out(self: AllReduceNorm, result: Any, out: Output, hidden_states: Any) -> Output:
+def returned_out(d: Dispatch, result: Any, out: Output, hidden_states: Any) -> Output:
     """``result``, when it hands back the caller's ``out`` tensors (identity: a few ``is`` tests);
     else raise naming the backend: one declaring ``caller_outputs`` that ignored ``out`` has left
     the caller's buffers unwritten, and the values an engine reads next would be stale."""
     if (
         type(result) is Output
         and result.normed is out.normed
-        and (self._inplace or result.residual is out.residual)
+        and (d.inplace or result.residual is out.residual)
     ):
         q = out.quant
         if q is None or (
             result.quant is not None and result.quant.data is q.data and result.quant.scale is q.scale
         ):
             return result
-    where = unwritten_destination(result, out, self._out_rules)
+    where = unwritten_destination(result, out, d.out_rules)
     if not where:
         return result
-    impl = self._table[hidden_states.shape[0]]
-    names = [n for n, c in zip(self._explanation.chain, self._chain, strict=True) if c is impl]
-    name = names[0] if names else self.backend
+    impl = d.table[hidden_states.shape[0]]
+    names = [n for n, c in zip(d.names, d.chain, strict=True) if c is impl]
+    name = names[0] if names else d.names[0]
     msg = (
         f"backend {name!r}: {where}: not the caller's tensor, its buffer left unwritten (needs a backend "
         "that writes into out= and returns its tensors, as Capabilities(caller_outputs=True) promises; "
         "fix or report the plugin, or call without out=)"
     )
-    raise BackendBrokenError(msg, self._explanation)
+    raise BackendBrokenError(msg, d.explanation)
 
 
-def out_check(self: AllReduceNorm, out: Any) -> Any:
+def out_check(d: Dispatch, out: Any) -> Any:
     """For ``ARNORM_CHECK_CALLS``: a function raising what ``out`` would raise, or ``None``."""
     if out is None:
         return None
 
     def check(hidden_states: Any, residual: Any, weight: Any, scale: Any) -> None:
         tensors = (hidden_states, residual, weight, scale)
-        self._out_trust.check(out, hidden_states.shape[0], tensors)
+        d.out_trust.check(out, hidden_states.shape[0], tensors)
 
     return check
 
 
-def trust_weight(self: AllReduceNorm, weight: Any, ptr: int) -> bool:
+def trust_weight(d: Dispatch, weight: Any, ptr: int) -> bool:
     """Check ``weight`` fully and trust it; the weight of the last call is then checked by
     identity alone (one op per layer); an op shared by the layers finds the others in the table."""
-    if self._trust.weight(weight, ptr):
-        self._last_weight, self._last_wptr = weight, ptr
+    if d.trust.weight(weight, ptr):
+        d.last_weight, d.last_wptr = weight, ptr
         return True
     return False
-
-
-CALL_CODES.update((call.__code__,))

@@ -1,8 +1,9 @@
 """What happens to an op when something goes wrong between ranks: poisoning, threads, fork.
 
 An op whose collectives may have fallen out of step with its peers' is *poisoned*, the way NCCL
-aborts a communicator: its dispatch tables are swapped for :class:`Poisoned`, so every later call
-raises the same :class:`arnorm.PeerError` and the valid-call path pays nothing for the check.
+aborts a communicator: its dispatch (:mod:`arnorm.op._dispatch`) is replaced whole by one whose
+tables hold :class:`Poisoned`, so every later call raises the same :class:`arnorm.PeerError` and
+the valid-call path pays nothing for the check.
 Causes: a backend call that raised part-way at TP > 1 (:func:`call_failed`), a peer's poison
 note, a peer timeout, or a fork (the child's copies of every op).
 
@@ -46,32 +47,33 @@ class Poisoned:
 
 def poison(op: Any, message: str) -> None:
     """Make every later call of ``op`` raise ``PeerError(message)`` (local; idempotent)."""
-    if getattr(op, "_poisoned", None) is not None or getattr(op, "_closed", True):
+    d = op._dispatch
+    if d.poisoned is not None or d.closed:
         return
-    op._poisoned = message
     bad = Poisoned(message)
-    op._accept = None
-    for table in (op._table, op._into_table):
-        table[:] = [None if impl is None else bad for impl in table]
-    op._fast_table[:] = [None] * len(op._fast_table)
+    op._dispatch = d.emptied(
+        table=[None if impl is None else bad for impl in d.table],
+        into_table=[None if impl is None else bad for impl in d.into_table],
+        poisoned=message,
+    )
 
 
-def call_failed(op: Any, exc: BaseException, frame: Any = None) -> None:
+def call_failed(op: Any, exc: BaseException) -> None:
     """A backend call of ``op`` raised: at TP > 1 its collectives may be out of step with the peers'.
 
     The op is poisoned on this rank; the Comm tells the peers in the collective slot this rank
     skipped (or the next one), and a note in the store says why for peers whose wait ends.
     """
-    comm = op._comm
-    if comm.world_size == 1 or getattr(op, "_poisoned", None) is not None:
+    d = op._dispatch
+    comm = d.comm
+    if comm.world_size == 1 or d.poisoned is not None:
         return
     if isinstance(exc, PeerError):
         message = str(exc)
     else:
         text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if comm.counts_calls:
-            number = comm.calls if comm.in_call(frame) else comm.calls + 1
-            which = f"its call {number}"
+            which = f"its call {comm.call_number()}"
         else:
             which = "a call"
         message = (

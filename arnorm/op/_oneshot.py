@@ -77,19 +77,20 @@ def fused_allreduce_norm(
     key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual)
     with _cache_lock:
         op = _cache.get(key)
-        if op is not None and op._owner and op._owner != threading.get_ident():
-            raise _thread_error(op._owner)
-        if op is None or op._closed or op._poisoned is not None or t > op._max_tokens:
+        d = op._dispatch if op is not None else None
+        if d is not None and d.owner and d.owner != threading.get_ident():
+            raise _thread_error(d.owner)
+        if op is None or d is None or d.closed or d.poisoned is not None or t > d.rules.max_tokens:
             # A poisoned op (a rank's call failed part-way; every rank's op is poisoned at the
             # same step) is replaced by a new one, built on every rank at its next call.
-            if op is None or op._closed or op._poisoned is not None:
+            if d is None or d.closed or d.poisoned is not None:
                 _check_first_thread(group)
-            elif op._check_calls:
+            elif d.check_calls:
                 # The budget is per rank: a larger count on one rank only would build on that rank
                 # while the others call. Agree first, as the call itself would.
-                op._seq += 1
-                rules = dataclasses.replace(op._rules, max_tokens=int(t))
-                agree_call(op._comm, rules, op._seq, hidden_states, residual, weight, scale)
+                d.seq += 1
+                rules = dataclasses.replace(d.rules, max_tokens=int(t))
+                agree_call(d.comm, rules, d.seq, hidden_states, residual, weight, scale)
             if op is not None:
                 op.close()
                 del _cache[key]

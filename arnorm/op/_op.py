@@ -8,25 +8,25 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from arnorm._config import Config, load_config
+from arnorm._config import Config, peer_timeout
 from arnorm._errors import ArnormError, ArnormWarning, InvalidInputError, PeerError
 from arnorm._problem import Problem
 from arnorm._types import Output, RMSNorm
-from arnorm.op._accel import AccelState, accelerator
+from arnorm.comm._comm import Comm
+from arnorm.comm._rendezvous import open_agreement
 from arnorm.op._args import build_problem, resolve_device
 from arnorm.op._call import call
-from arnorm.op._caller_outputs import CopyInto, OutRules, OutTrust, empty_output
-from arnorm.op._check import CallRules, needs_scale
-from arnorm.op._comm import CallToken, Comm
+from arnorm.op._caller_outputs import empty_output
 from arnorm.op._custom_op import register_handle, unregister_handle
+from arnorm.op._dispatch import Dispatch, build_dispatch, closed_error
 from arnorm.op._faults import claim_group, release, track
-from arnorm.op._guards import Trust, no_backend, with_zero_residual
-from arnorm.op._rendezvous import open_agreement
+from arnorm.op._guards import no_backend, with_zero_residual
 from arnorm.registry._capabilities import did_you_mean
 from arnorm.registry._discovery import get_registry
 from arnorm.registry._explain import Explanation
 from arnorm.registry._failure import plugin_failure
-from arnorm.registry._select import Preference, agree, agreement_facts, load_settings, select
+from arnorm.registry._load import load_config, load_settings
+from arnorm.registry._select import Preference, agree, agreement_facts, select
 
 if TYPE_CHECKING:
     import torch
@@ -47,27 +47,6 @@ def warn_unknown_names(pref: Preference, registry: Any, stacklevel: int = 5) -> 
                 valid = ", ".join(sorted(known)) + did_you_mean(name, known)
                 msg = f"{source}: {name!r} is not a registered backend (needs one of {valid})"
                 warnings.warn(msg, ArnormWarning, stacklevel=stacklevel)
-
-
-def _fast_path(name: str, impl: Any) -> Any:
-    """The backend's optional ``fast_path()`` function, or ``None`` (absent, declined, or broken)."""
-    get = getattr(impl, "fast_path", None)
-    if get is None:
-        return None
-    try:
-        fn = get()
-    except Exception as exc:  # plugin code: a broken fast path costs speed, never the op
-        warnings.warn(
-            f"arnorm: {name}.fast_path() raised {plugin_failure(exc)}; its calls go through __call__",
-            ArnormWarning,
-            3,
-        )
-        return None
-    if fn is not None and not callable(fn):
-        msg = f"arnorm: {name}.fast_path() returned {type(fn).__name__} (needs a function or None)"
-        warnings.warn(msg, ArnormWarning, 3)
-        return None
-    return fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,14 +135,10 @@ class AllReduceNorm:
         config: Config | None = None,
         add_residual: bool = True,
     ) -> None:
-        self._closed = True  # until construction succeeds, so close() stays safe
+        # Serves nothing until construction succeeds, so close() stays safe.
+        self._dispatch = Dispatch()
         self._chain: list[Any] = []
-        self._table: list[Any] = []
-        self._into_table: list[Any] = []
-        self._fast_table: list[Any] = []
-        self._poisoned: str | None = None
         self._group_name = ""
-        self._owner = 0
         if not _building.acquire(blocking=False):
             msg = (
                 "AllReduceNorm: built from two threads at once "
@@ -202,12 +177,13 @@ class AllReduceNorm:
             error, dev = exc, torch.device("cpu")
         comm = Comm.resolve(tp_group, dev, cpu_group)
         self._comm = comm
+        owner = 0  # any thread may call an op at TP 1
         if comm.world_size > 1:
             # Before anything is sent: a call or construction from the wrong thread raises on this
             # rank alone, and every rank running the same program raises it alike.
             self._group_name = str(getattr(comm.group, "group_name", id(comm.group)))
-            self._owner = claim_group(self._group_name, self)
-            open_agreement(comm, config)
+            owner = claim_group(self._group_name, self)
+            open_agreement(comm, peer_timeout(config))
         registry = get_registry()
         try:
             if error is not None:
@@ -221,8 +197,7 @@ class AllReduceNorm:
                 config = load_config()
             elif not isinstance(config, Config):
                 raise InvalidInputError(f"config: {type(config).__name__} (needs arnorm.Config(...))")
-            if config.batch_invariant:
-                problem = dataclasses.replace(problem, batch_invariant=True)
+            problem = config.configured(problem)
             pref = Preference.resolve(backend, config)
             settings = load_settings(registry, config)
             warn_unknown_names(pref, registry)
@@ -253,72 +228,14 @@ class AllReduceNorm:
                     explanation, note="\n".join(filter(None, (explanation.note, note)))
                 )
         self._explanation, self._chain = explanation, chain
-        self._table = [None if i < 0 else chain[i] for i in plan.table]
-        into = [
-            impl if c.caller_outputs else CopyInto(impl, problem.inplace)
-            for impl, c in zip(chain, caps, strict=True)
-        ]
-        self._into_table = [None if i < 0 else into[i] for i in plan.table]
-        # Fast paths are asked for once, and used only where the core calls the backend as it is
-        # (no CopyInto or ZeroResidual in between): their contract includes writing into out.
-        fast = [
-            _fast_path(name, impl) if impl is raw and c.caller_outputs else None
-            for name, impl, raw, c in zip(explanation.chain, chain, plan.chain, caps, strict=True)
-        ]
-        self._fast_table = [None if i < 0 else fast[i] for i in plan.table]
-        self._out_rules = OutRules(problem.hidden_size, getattr(torch, problem.dtype), dev, problem.quant,
-                                   problem.scale_layout, problem.normed_output, problem.inplace)  # fmt: skip
-        self._out_trust = OutTrust(self._out_rules)
-        strided = all(c.strided_rows for c in caps)
-        self._rules = CallRules(problem.hidden_size, problem.max_tokens, getattr(torch, problem.dtype),
-                                dev, problem.quant, needs_scale(problem.quant), problem.inplace,
-                                strided, problem.add_residual)  # fmt: skip
-        # Hot-path constants: attribute reads on self are most of the cost of a valid call.
-        self._max_tokens = problem.max_tokens
-        self._hidden = problem.hidden_size
-        self._dtype = self._rules.dtype
-        self._itemsize = torch.empty((), dtype=self._dtype).element_size()
-        self._row_bytes = problem.hidden_size * self._itemsize
-        self._strided = strided
-        self._on_cpu = dev.type == "cpu"
-        self._index = -1 if dev.index is None else dev.index
-        self._scaled = self._rules.needs_scale
-        self._inplace = problem.inplace
-        self._add_residual = problem.add_residual
-        self._trust = Trust(self._rules)
-        self._trusted_weights = self._trust.weights
-        self._trusted_scales = self._trust.scales
-        self._last_weight: Any = None
-        self._last_wptr = -1
-        # The call's token: list.pop is atomic, so two threads can never both hold it (a
-        # non-blocking Lock.acquire is too, at twice the cost per call).
-        self._token = CallToken(comm) if comm.counts_calls else [None]
-        self._out_spans = self._out_trust.table
-        self._check_calls = bool(config.check_calls)
-        self._seq = 0
-        self._is_compiling = torch.compiler.is_compiling
-        self._grad_enabled = torch.is_grad_enabled
-        # The C helper's copy of the test, where a backend has a fast path for it to call.
-        self._accept: Any = None
-        self._accel_state = AccelState(
-            hidden=self._hidden, row_bytes=self._row_bytes, dtype=self._dtype, on_cpu=self._on_cpu,
-            device_index=self._index, max_tokens=self._max_tokens, scaled=self._scaled,
-            add_residual=self._add_residual, token=self._token, fast_table=self._fast_table,
-            weights=self._trusted_weights, scales=self._trusted_scales, out_spans=self._out_spans,
-            grad_enabled=self._grad_enabled,
-        )  # fmt: skip
-        # A plain tuple: unpacking it is the Python call's first step.
-        self._consts = tuple(self._accel_state[:6])
-        if config.accelerate and not self._check_calls and any(f is not None for f in self._fast_table):
-            self._accept = accelerator().accept
-        self._handle = register_handle(self)
-        if comm.world_size > 1:
-            # The C helper does not compare threads; no built-in backend has a fast path at TP > 1.
-            self._accept = None
+        handle = register_handle(self)
+        dispatch = build_dispatch(
+            problem, comm, dev, config, explanation, chain, plan.chain, caps, plan.table, owner, handle
+        )
         track(self)
         if comm.channel is not None:
             comm.channel.phase = "calling"
-        self._closed = False
+        self._dispatch = dispatch
 
     def _abandon(self, exc: BaseException) -> None:
         """Construction failed on this rank: release the group and tell peers still waiting."""
@@ -343,22 +260,21 @@ class AllReduceNorm:
         is not in place, else ``None``; ``quant`` as :func:`arnorm.quant.empty_quantized` makes it
         (``scale``: the fp32 ``[1]`` scale it records for fp8_static / nvfp4; out= ignores it).
         """
-        return empty_output(self._out_rules, self._check_tokens_arg(num_tokens), scale)
+        return empty_output(self._dispatch.out_rules, self._check_tokens_arg(num_tokens), scale)
 
-    def _closed_error(self) -> Exception:
-        return InvalidInputError("op: closed (needs a new arnorm.AllReduceNorm)")
+    @property
+    def _closed(self) -> bool:
+        return self._dispatch.closed
 
     def _check_tokens_arg(self, num_tokens: object) -> int:
-        if self._closed:
-            raise self._closed_error()
-        if self._poisoned is not None:
-            raise PeerError(self._poisoned)
-        if (
-            not isinstance(num_tokens, int)
-            or isinstance(num_tokens, bool)
-            or not 0 < num_tokens <= self._max_tokens
-        ):
-            raise InvalidInputError(f"num_tokens: {num_tokens!r} (needs an int from 1 to {self._max_tokens})")
+        d = self._dispatch
+        if d.closed:
+            raise closed_error()
+        if d.poisoned is not None:
+            raise PeerError(d.poisoned)
+        limit = self._problem.max_tokens
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 < num_tokens <= limit:
+            raise InvalidInputError(f"num_tokens: {num_tokens!r} (needs an int from 1 to {limit})")
         return num_tokens
 
     # -- introspection ----------------------------------------------------------------------
@@ -375,7 +291,7 @@ class AllReduceNorm:
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens runs on."""
-        impl = self._table[self._check_tokens_arg(num_tokens)]
+        impl = self._dispatch.table[self._check_tokens_arg(num_tokens)]
         if impl is None:
             raise no_backend(num_tokens)
         return self._explanation.chain[self._chain.index(impl)]
@@ -387,7 +303,7 @@ class AllReduceNorm:
         (zero-copy). ``None`` when the backend serving ``num_tokens`` has no such buffer. The
         buffer belongs to the op: its contents change with every call.
         """
-        impl = self._table[self._check_tokens_arg(num_tokens)]
+        impl = self._dispatch.table[self._check_tokens_arg(num_tokens)]
         get = getattr(impl, "input_buffer", None)
         if get is None:
             return None
@@ -400,7 +316,7 @@ class AllReduceNorm:
         if num_tokens is None:
             return self._explanation
         t = self._check_tokens_arg(num_tokens)
-        served = self._table[t]
+        served = self._dispatch.table[t]
         skipped = []
         for name, impl in zip(self._explanation.chain, self._chain, strict=True):
             if impl is served:
@@ -424,15 +340,13 @@ class AllReduceNorm:
         Local: it enters no collective, so ranks may close in any order (a backend that must
         synchronize its peers does so in its own call path).
         """
-        if self._closed:
+        d = self._dispatch
+        if d.closed:
             return
-        self._closed = True
+        self._dispatch = d.emptied(closed=True)
         if self._group_name:
             release(self._group_name, self)
-        self._table[:] = [None] * len(self._table)
-        self._into_table[:] = [None] * len(self._into_table)
-        self._fast_table[:] = [None] * len(self._fast_table)
-        unregister_handle(self._handle)
+        unregister_handle(d.handle)
         chain, self._chain = self._chain, []
         for impl in chain:
             try:

@@ -32,7 +32,7 @@ def _validation_line(model: str, error: Any) -> str:
         fields = list(Capabilities.model_fields) if model == "Capabilities" else []
         valid = f"one of: {', '.join(fields)}" if fields else "a declared field"
         return f"{where}: not a field (needs {valid})"
-    from arnorm._settings import pydantic_needs
+    from arnorm._environment import pydantic_needs
 
     needs = pydantic_needs(error)
     if error.get("type") == "value_error":

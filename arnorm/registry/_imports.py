@@ -24,18 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "MAX_TIMEOUT",
-    "discovery_timeout",
-    "import_bounded",
-    "timed_out",
-]
+from arnorm._config import DEFAULT_PROBE_TIMEOUT, MAX_TIMEOUT
 
-#: Seconds a plugin's import, or a backend's probe, may take (``Config.probe_timeout``'s default).
-DEFAULT_TIMEOUT = 15.0
-#: The largest timeout accepted: a day, far inside what ``Thread.join`` takes (``threading.TIMEOUT_MAX``).
-MAX_TIMEOUT = 86400.0
+__all__ = ["discovery_timeout", "import_bounded", "timed_out"]
 
 
 @dataclass
@@ -94,5 +85,5 @@ def discovery_timeout() -> float:
     try:
         value = float(os.environ.get("ARNORM_PROBE_TIMEOUT", ""))
     except ValueError:
-        return DEFAULT_TIMEOUT
-    return value if 0 < value <= MAX_TIMEOUT else DEFAULT_TIMEOUT
+        return DEFAULT_PROBE_TIMEOUT
+    return value if 0 < value <= MAX_TIMEOUT else DEFAULT_PROBE_TIMEOUT

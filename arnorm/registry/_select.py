@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from arnorm._config import Config, parse_names
+from arnorm._config import DEFAULT_PROBE_TIMEOUT, BackendSettings, Config, parse_names
 from arnorm._errors import (
     ArnormError,
     BackendBrokenError,
@@ -26,7 +26,6 @@ from arnorm._errors import (
     NoEligibleBackendError,
 )
 from arnorm._problem import Problem
-from arnorm._settings import BackendSettings, backend_settings
 from arnorm.registry._capabilities import check_capabilities, did_you_mean, join_or
 from arnorm.registry._discovery import Registry
 from arnorm.registry._explain import Explanation, Verdict
@@ -35,7 +34,7 @@ from arnorm.registry._probe import load_class, probe
 from arnorm.registry._spec import priority_order
 
 if TYPE_CHECKING:
-    from arnorm.op._comm import Comm
+    from arnorm.comm._comm import Comm
 
 __all__ = ["Plan", "Preference", "check_locally", "explain_locally", "select"]
 
@@ -87,7 +86,7 @@ def check_locally(
     registry: Registry,
     pref: Preference,
     *,
-    timeout: float = 15.0,
+    timeout: float = DEFAULT_PROBE_TIMEOUT,
     device: Any = None,
     probe_all: bool = True,
 ) -> dict[str, Verdict]:
@@ -152,7 +151,7 @@ def explain_locally(
     problem: Problem, registry: Registry, pref: Preference, config: Config | None = None
 ) -> Explanation:
     """What this process alone would choose (probes, no collective, no setup): ``arnorm explain``."""
-    timeout = config.probe_timeout if config is not None else 15.0
+    timeout = config.probe_timeout if config is not None else DEFAULT_PROBE_TIMEOUT
     verdicts = _merge([check_locally(problem, registry, pref, timeout=timeout)], pref)
     chain = next(((v.backend,) for v in verdicts if v.status == "eligible"), ())
     marked = tuple(replace(v, status="selected") if (v.backend,) == chain else v for v in verdicts)
@@ -191,22 +190,6 @@ def _raise_none_usable(problem: Problem, pref: Preference, expl: Explanation) ->
 
 
 # -- agreement on what every rank asked for --------------------------------------------------------
-
-
-def load_settings(registry: Registry, config: Config) -> dict[str, BackendSettings]:
-    """Every registered backend's settings (env + ``Config.settings``); raises :class:`ConfigError`."""
-    known = {i.name for i in registry.infos() if i.spec is not None}
-    unknown = sorted(set(config.settings) - known)
-    if unknown:
-        msg = (
-            f"Config.settings: {', '.join(map(repr, unknown))} (needs registered backends: {join_or(known)})"
-        )
-        raise ConfigError(msg)
-    out = {}
-    for info in registry.infos():
-        if info.spec is not None:
-            out[info.name] = backend_settings(info.spec, config.settings.get(info.name))
-    return out
 
 
 def agree(comm: Comm, facts: dict[str, Any], error: BaseException | None) -> None:
@@ -297,7 +280,12 @@ def _runs(served: list[bool]) -> tuple[tuple[int, int], ...]:
 
 
 def _build(
-    name: str, spec: Any, problem: Problem, comm: Comm, settings: BackendSettings, timeout: float = 15.0
+    name: str,
+    spec: Any,
+    problem: Problem,
+    comm: Comm,
+    settings: BackendSettings,
+    timeout: float = DEFAULT_PROBE_TIMEOUT,
 ) -> tuple[Any, list[bool], tuple[str, ...]]:
     """Create one backend on every rank and agree on its served token counts; ``(impl, served, failure)``."""
     instance, error = None, ""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from arnorm._settings import BackendSettings
+from arnorm._config import BackendSettings
 from arnorm.registry._capabilities import Capabilities
 
 if TYPE_CHECKING:

@@ -270,7 +270,7 @@ def rank_backend_vs_reference(
     """Build the aiter backend over the real gloo group with the fake installed; compare each case."""
     import arnorm
     from arnorm._reference import ReferenceBackend
-    from arnorm.op._comm import Comm
+    from arnorm.comm._comm import Comm
     from arnorm_aiter._backend import AiterBackend
 
     install()

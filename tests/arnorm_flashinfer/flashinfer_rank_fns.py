@@ -57,7 +57,7 @@ def agree_on_failure(rank: int, world: int) -> tuple[str, list[Any]]:
     from fake_flashinfer import install, make_problem
 
     from arnorm._errors import BackendSetupError
-    from arnorm.op._comm import Comm
+    from arnorm.comm._comm import Comm
     from arnorm_flashinfer._backend import FlashInferBackend
     from arnorm_flashinfer._plugin import FlashInferSettings
 

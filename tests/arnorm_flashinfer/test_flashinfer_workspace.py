@@ -67,8 +67,8 @@ def test_budget_override_and_capacity(fake_fi, clean_env):
 
 def test_budget_from_the_environment(fake_fi, clean_env):
     """ARNORM_FLASHINFER_MAX_SIZE_MB reaches create() through the backend's settings model."""
-    from arnorm._settings import backend_settings
     from arnorm.registry._discovery import get_registry
+    from arnorm.registry._load import backend_settings
 
     clean_env.setenv("ARNORM_FLASHINFER_MAX_SIZE_MB", "0.25")
     settings = backend_settings(get_registry().get("flashinfer").spec, None)
@@ -258,8 +258,8 @@ def test_never_auto(fake_fi, clean_env):
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "lots"])
 def test_a_bad_budget_variable_is_a_config_error_naming_it(value, monkeypatch):
     """ARNORM_FLASHINFER_MAX_SIZE_MB must be a positive, finite number; the error names the variable."""
-    from arnorm._settings import backend_settings
     from arnorm.registry._discovery import get_registry
+    from arnorm.registry._load import backend_settings
 
     monkeypatch.setenv("ARNORM_FLASHINFER_MAX_SIZE_MB", value)
     with pytest.raises(arnorm.ConfigError, match="ARNORM_FLASHINFER_MAX_SIZE_MB"):

@@ -11,7 +11,7 @@ import torch
 
 import arnorm
 from arnorm._problem import Problem
-from arnorm.op._comm import Comm
+from arnorm.comm._comm import Comm
 from arnorm_triton._backend import TritonBackend
 from arnorm_triton._launch_table import default_num_warps
 

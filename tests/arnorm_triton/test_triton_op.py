@@ -105,8 +105,8 @@ def test_probe_reports_missing_triton(monkeypatch):
 
 def test_settings_are_the_backends_own(clean_env):
     """TritonSettings is declared on the spec and read from ARNORM_TRITON_EXACT / ARNORM_TRITON_PDL."""
-    from arnorm._settings import backend_settings
     from arnorm.registry._discovery import get_registry
+    from arnorm.registry._load import backend_settings
 
     (spec,) = arnorm_backends()
     assert spec.settings is TritonSettings

@@ -118,6 +118,32 @@ def raise_once_then_continue(rank: int, world: int, backend: str, fail_at: int, 
     return got
 
 
+def raise_after_the_collective(rank: int, world: int, fail_at: int, calls: int):
+    """Rank 1's reference backend raises once right after its all-gather in call ``fail_at``: the
+    peers' call ``fail_at`` completes, and the poison tells them which call failed."""
+    from arnorm.comm._comm import Comm
+
+    aligned()
+    op = build(backend="reference")
+    real = Comm.all_gather
+    count = [0]
+
+    def gather_then_fail(self, tensor):
+        parts = real(self, tensor)
+        count[0] += 1
+        if rank == 1 and count[0] == fail_at:
+            raise MemoryError("injected: out of memory on rank 1, after the collective")
+        return parts
+
+    Comm.all_gather = gather_then_fail
+    try:
+        got = [one_call(op, rank, world, seed) for seed in range(calls)]
+    finally:
+        Comm.all_gather = real
+    op.close()
+    return got
+
+
 def two_ops_two_threads(rank: int, world: int, calls: int):
     """Two ops on one group, each called from its own thread at the same time."""
     aligned()

@@ -67,6 +67,19 @@ def test_a_rank_whose_call_raised_poisons_the_op_on_every_rank(backend, env, wor
     assert "build a new op" in message
 
 
+def test_a_call_that_failed_after_its_collective_is_named_by_its_own_number():
+    """Rank 1 fails call 3 after its collective: the peers' call 3 completed, their call 4 raises,
+    and every message names call 3 (the failed call knows whether it reached its collective)."""
+    results = run_ranks(2, ff.raise_after_the_collective, 3, 5, env=ENV, timeout=RUN_S)
+    assert_never_wrong(results)
+    zero, one = results
+    assert zero[:3] == [("ok", True)] * 3 and one[:2] == [("ok", True)] * 2, results
+    assert one[2][:2] == ("error", "MemoryError"), one
+    for o in zero[3:] + one[3:]:
+        assert o[:2] == ("error", "PeerError"), results
+        assert o[2].startswith("op out of step on rank 1: its call 3 failed with MemoryError"), o
+
+
 def test_two_ops_on_one_group_from_two_threads_never_interleave():
     """Two ops on one TP group, each called from its own thread: clear errors, never a wrong result."""
     results = run_ranks(2, ff.two_ops_two_threads, 20, env=ENV, timeout=RUN_S)

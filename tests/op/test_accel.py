@@ -43,11 +43,11 @@ def test_the_helper_builds_here_and_ops_with_a_fast_path_use_it(fastpath):
     assert helper.accept is not None, helper.reason
     assert helper.path is not None and helper.path.parent == accel.cache_dir()
     with make() as op:
-        assert op._accept is helper.accept
+        assert op._dispatch.accept is helper.accept
         x, r, w = rand(3, H), rand(3, H), rand(H)
         op(x.clone(), r, w)  # the Python call trusts the weight
         assert len(fastpath.fast_calls) == 1
-        got = op._accept(op._accel_state, op, x, r, w, None, None)
+        got = op._dispatch.accept(op._dispatch.accel_state, op._dispatch, x, r, w, None, None)
         assert got is not NotImplemented and len(fastpath.fast_calls) == 2  # the helper's own call
 
 
@@ -88,11 +88,11 @@ def test_a_cached_file_that_does_not_load_is_built_again(monkeypatch, tmp_path):
 
 def test_ops_without_the_helper_still_call_correctly(fastpath, monkeypatch):
     """Config(accelerate=False), check_calls, or no helper at all: the op runs the Python test only."""
-    assert make(config=arnorm.Config(accelerate=False))._accept is None
-    assert make(config=arnorm.Config(check_calls=True))._accept is None
+    assert make(config=arnorm.Config(accelerate=False))._dispatch.accept is None
+    assert make(config=arnorm.Config(check_calls=True))._dispatch.accept is None
     monkeypatch.setattr(accel, "_LOADED", [accel.Accelerator(None, None, "C compiler: none (needs one)")])
     with make() as op:
-        assert op._accept is None
+        assert op._dispatch.accept is None
         x, r, w = rand(2, H), rand(2, H), rand(H)
         op(x, r, w)
         assert len(fastpath.fast_calls) == 1
@@ -104,9 +104,9 @@ KINDS = call_kinds.KINDS
 def _python_accepts(op, args, out) -> bool:
     """What the Python call would let through to the fast path (its full checks, raising or not)."""
     try:
-        check_call(op._rules, *args)
+        check_call(op._dispatch.rules, *args)
         if out is not None:
-            op._out_trust.check(out, args[0].shape[0], args)
+            op._dispatch.out_trust.check(out, args[0].shape[0], args)
     except arnorm.InvalidInputError:
         return False
     x, r = args[0], args[1]
@@ -140,7 +140,7 @@ def test_the_helper_accepts_a_subset_of_what_the_python_call_accepts(kind, quant
             op(x.clone(), r, w, s)
         args = call_kinds.variant(kind, x, r, w, s)
         before = len(fb.FastPathBackend.fast_calls)
-        got = op._accept(op._accel_state, op, *args, out)
+        got = op._dispatch.accept(op._dispatch.accel_state, op._dispatch, *args, out)
         accepted = got is not NotImplemented
         assert accepted == (len(fb.FastPathBackend.fast_calls) == before + 1)
         if accepted:
@@ -161,11 +161,11 @@ def test_an_error_in_the_fast_path_reaches_the_caller_once(fastpath, monkeypatch
             calls.append(args)
             raise RuntimeError("launch failed")
 
-        op._fast_table[2] = broken
+        op._dispatch.fast_table[2] = broken
         with pytest.raises(RuntimeError, match="launch failed"):
             op(x, r, w)
         assert len(calls) == 1
-        assert op._token == [None]  # the token came back
+        assert op._dispatch.token == [None]  # the token came back
 
 
 @needs_compiler
@@ -181,7 +181,7 @@ def test_a_second_thread_meeting_the_helpers_call_raises(fastpath):
             release.wait(10)
             return "done"
 
-        op._fast_table[2] = slow_fast
+        op._dispatch.fast_table[2] = slow_fast
         results = []
         worker = threading.Thread(target=lambda: results.append(op(x, r, w)))
         worker.start()
@@ -192,7 +192,7 @@ def test_a_second_thread_meeting_the_helpers_call_raises(fastpath):
         finally:
             release.set()
             worker.join(10)
-        assert results == ["done"] and op._token == [None]
+        assert results == ["done"] and op._dispatch.token == [None]
 
 
 def test_the_c_helper_reads_the_state_fields_in_their_order():

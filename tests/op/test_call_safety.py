@@ -163,7 +163,7 @@ def test_the_fast_path_accepts_exactly_what_check_call_accepts(
             slow.clear()
         args = variant(kind, x, r, w, s)
         try:
-            check_call(op._rules, *args)
+            check_call(op._dispatch.rules, *args)
             check_ok = True
         except arnorm.InvalidInputError:
             check_ok = False

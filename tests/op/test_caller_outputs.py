@@ -96,9 +96,9 @@ def test_empty_output_needs_no_scale(clean_env, quant, layout):
 def test_triton_writes_in_place_and_others_are_copied_into(clean_env):
     """triton declares caller_outputs and writes out directly; the reference goes through CopyInto."""
     with make("triton") as op:
-        assert not isinstance(op._into_table[1], CopyInto)
+        assert not isinstance(op._dispatch.into_table[1], CopyInto)
     with make("reference") as op:
-        assert isinstance(op._into_table[1], CopyInto)
+        assert isinstance(op._dispatch.into_table[1], CopyInto)
     assert arnorm.plugin.Capabilities(platforms=frozenset({"cpu"})).caller_outputs is False
 
 

@@ -86,8 +86,10 @@ def test_a_backend_without_residual_free_reads_negative_zeros_and_matches_bitwis
     native_reference(fake_backends.spec("small", 60, "Recording"))
     w = torch.randn(H).bfloat16()
     with make() as op:
-        assert isinstance(op._table[3], ZeroResidual) and not isinstance(op._table[8], ZeroResidual)
-        assert op._table[1]._zeros.shape == (4, H)  # as many rows as the wrapped backend serves
+        assert isinstance(op._dispatch.table[3], ZeroResidual) and not isinstance(
+            op._dispatch.table[8], ZeroResidual
+        )
+        assert op._dispatch.table[1]._zeros.shape == (4, H)  # as many rows as the wrapped backend serves
         assert op.backend_for(3) == "small" and op.backend_for(8) == "reference"
         assert "no residual: small read rows of a -0.0 buffer as the residual (needs" in str(op.explain())
         for t in (3, 8):
@@ -214,7 +216,7 @@ def test_the_fast_path_without_residual_accepts_exactly_what_check_call_accepts(
                 slow.clear()
             args = table[kind]
             try:
-                check_call(op._rules, *args)
+                check_call(op._dispatch.rules, *args)
                 check_ok = True
             except arnorm.InvalidInputError:
                 check_ok = False

@@ -237,10 +237,10 @@ def test_bad_input_is_rejected_and_leaves_no_state(clean_env, mutate, message):
     """Each bad argument raises naming itself; the op then serves a valid call unchanged."""
     x, r, w = inputs()
     with make() as op:
-        table = list(op._table)
+        table = list(op._dispatch.table)
         with pytest.raises(arnorm.InvalidInputError, match=message):
             op(*mutate(x, r, w, None))
-        assert op._table == table
+        assert op._dispatch.table == table
         expect = add_rmsnorm(x.clone(), r, w, 1e-6, 0.0)[0]
         assert torch.equal(op(x, r, w).residual, expect)
 
@@ -296,7 +296,7 @@ def test_fused_allreduce_norm_caches_and_grows(clean_env):
     assert next(iter(_cache.values())) is op
     big = inputs(t=9000)
     arnorm.fused_allreduce_norm(*big, group=arnorm.LOCAL, eps=1e-5)
-    assert next(iter(_cache.values()))._max_tokens == 16384 and op._closed
+    assert next(iter(_cache.values())).problem.max_tokens == 16384 and op._closed
     assert out.normed is not None
     _cache.clear()
 
@@ -381,7 +381,7 @@ def test_custom_op_passes_opcheck(clean_env):
     with make(inplace=False) as op:
         torch.library.opcheck(
             torch.ops.arnorm.all_reduce_norm.default,
-            (op._handle, x, r, w, None),
+            (op._dispatch.handle, x, r, w, None),
             test_utils=("test_schema", "test_faketensor"),
         )
 

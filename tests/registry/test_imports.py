@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from arnorm.registry._imports import MAX_TIMEOUT, discovery_timeout, import_bounded, timed_out
+from arnorm._config import MAX_TIMEOUT
+from arnorm.registry._imports import discovery_timeout, import_bounded, timed_out
 
 #: What the gated module waits for (the test releases it, so no thread outlives the test).
 GATE = threading.Event()

@@ -223,10 +223,10 @@ def test_wrong_argument_types_are_arnorm_errors_naming_the_argument(clean_env, k
 
 def test_lower_case_variables_are_ignored_with_a_warning(clean_env):
     """arnorm_backend=... is not honoured under a name the messages would not show; it warns instead."""
-    from arnorm import _settings
-    from arnorm._config import load_config
+    from arnorm import _environment
+    from arnorm.registry._load import load_config
 
-    _settings._warned.clear() if hasattr(_settings, "_warned") else None
+    _environment._warned.clear()
     clean_env.setenv("arnorm_backend", "reference")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -238,7 +238,7 @@ def test_lower_case_variables_are_ignored_with_a_warning(clean_env):
 @pytest.mark.parametrize("value", ["nan", "-1", "0", "inf"])
 def test_a_probe_timeout_that_cannot_work_is_a_config_error(clean_env, value):
     """NaN, negative, zero or infinite ARNORM_PROBE_TIMEOUT is rejected, naming the variable."""
-    from arnorm._config import load_config
+    from arnorm.registry._load import load_config
 
     clean_env.setenv("ARNORM_PROBE_TIMEOUT", value)
     with pytest.raises(arnorm.ConfigError, match="ARNORM_PROBE_TIMEOUT"):

@@ -68,8 +68,8 @@ def test_residual_free_ops_get_a_zero_residual():
 def test_settings_defaults_and_variables(clean_env):
     """ARNORM_TRITON_SYMM_MAX_BYTES / _ONESHOT_MAX_TOKENS / _SPIN_LIMIT are read (the crossovers
     unset by default: create() resolves them by world size); bad values name the variable."""
-    from arnorm._settings import backend_settings
     from arnorm.registry._discovery import get_registry
+    from arnorm.registry._load import backend_settings
 
     spec = get_registry().get("triton_symm").spec
     s = backend_settings(spec, None)

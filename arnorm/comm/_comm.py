@@ -1,7 +1,7 @@
 """``Comm``: the TP group an op runs on, plus the channels used for agreement.
 
 Agreement (arguments, eligibility, setup success, ``ARNORM_CHECK_CALLS`` fingerprints) travels
-through the process group's store (:mod:`arnorm.op._rendezvous`), keyed by the op and the step, so it
+through the process group's store (:mod:`arnorm.comm._rendezvous`), keyed by the op and the step, so it
 can never pair with a data collective or another op's agreement; it falls back to the gloo CPU
 group where no store is reachable. It works before any device communicator exists and never
 touches the GPU stream.
@@ -18,9 +18,8 @@ the group's own and carry nothing extra (no host sync per call).
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from arnorm._errors import InvalidInputError, PeerError
 from arnorm._types import LOCAL
@@ -35,9 +34,6 @@ __all__ = ["CallToken", "Comm"]
 _OK, _POISON = 0, 1
 #: Work objects of poison headers nobody waits for, kept alive with their communicator.
 _UNWAITED: list[Any] = []
-#: Code objects of the op's call functions (filled by arnorm.op._call): a header records the call
-#: frame it ran in, so a failed call knows whether it reached its collective.
-CALL_CODES: set[Any] = set()
 
 # new_group is collective over WORLD: create the gloo twin of WORLD once and reuse it, for as long
 # as that WORLD lives (weakly keyed: after destroy_process_group the twin goes with it, and a new
@@ -90,7 +86,7 @@ class Comm:
     """
 
     __slots__ = (
-        "_broken", "_data", "_frame", "calls", "channel", "cpu_group", "device", "group", "rank",
+        "_broken", "_data", "_stepped", "calls", "channel", "cpu_group", "device", "group", "rank",
         "world_size",
     )  # fmt: skip
 
@@ -102,9 +98,9 @@ class Comm:
         self.channel: Any = None
         #: The op's private gloo communicator for its data collectives (CPU ops on gloo groups).
         self._data: Any = None
-        #: Data steps (header exchanges) done; the frame of the call that did the last one.
+        #: Data steps (header exchanges) done; whether the call in progress made one (CallToken).
         self.calls = 0
-        self._frame: Any = None
+        self._stepped = False
         self._broken = ""
         if group is None:
             self.rank, self.world_size = 0, 1
@@ -185,7 +181,7 @@ class Comm:
         """Let go of every process group, communicator and store (local: the op is closed; a peer
         still calling it times out). A group kept past ``destroy_process_group`` lives until
         interpreter exit, where a gloo worker still finishing the last collective can abort the process."""
-        self._data = self._frame = self.group = self.cpu_group = self.channel = None
+        self._data = self.group = self.cpu_group = self.channel = None
         if not self._broken:
             self._broken = "op: closed (needs a new arnorm.AllReduceNorm)"
 
@@ -194,9 +190,10 @@ class Comm:
         """Whether :attr:`calls` counts the op's calls (its data collectives carry headers)."""
         return self._data is not None
 
-    def in_call(self, frame: Any) -> bool:
-        """Whether the call running in ``frame`` reached its data collective."""
-        return self._frame is frame
+    def call_number(self) -> int:
+        """The number of the call in progress: :attr:`calls` once it reached its data collective,
+        else the next one."""
+        return self.calls if self._stepped else self.calls + 1
 
     def abort(self, message: str) -> None:
         """This rank's op failed part-way: occupy the step the peers wait in (or will wait in next)
@@ -222,12 +219,7 @@ class Comm:
 
         if self._broken:
             raise PeerError(self._broken)
-        f: Any = sys._getframe(2)
-        for _ in range(8):  # the op's call frame, a few backend frames up
-            if f is None or f.f_code in CALL_CODES:
-                break
-            f = f.f_back
-        self._frame = f
+        self._stepped = True
         self.calls += 1
         header = torch.tensor([self.calls, _OK, numel], dtype=torch.int64)
         parts = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
@@ -271,7 +263,7 @@ class Comm:
             notes = [n for r in range(self.world_size) if r != self.rank and (n := channel.note(r))]
         if notes:
             return notes[0]
-        from arnorm.op._rendezvous import ranks_text
+        from arnorm.comm._rendezvous import ranks_text
 
         others = [r for r in range(self.world_size) if r != self.rank]
         missing = others if channel is None or len(others) == 1 else channel.late_ranks(self.calls)
@@ -343,10 +335,10 @@ class Comm:
 class CallToken(list[Any]):
     """The call token (see ``AllReduceNorm``) of an op whose data collectives carry headers.
 
-    A header notes the frame of the call it ran in (:meth:`Comm.in_call`); handing the token back at
-    the end of every call forgets it. A frame kept past its call would keep that call's tensors, and
-    the op itself through ``self``: a cycle that frees the op's groups only when the cyclic collector
-    runs. Only these ops (gloo, CPU) pay for the Python-level ``append``; the rest keep a plain list.
+    Taking it at the start of every call marks the call as not yet at its data collective, so a
+    call that fails knows its number (:meth:`Comm.call_number`) without looking for itself on the
+    stack. Only these ops (gloo, CPU, TP > 1, where the C helper never runs) pay for the
+    Python-level ``pop``; the rest keep a plain list.
     """
 
     __slots__ = ("comm",)
@@ -355,9 +347,10 @@ class CallToken(list[Any]):
         super().__init__([None])
         self.comm = comm
 
-    def append(self, item: Any) -> None:
-        self.comm._frame = None
-        list.append(self, item)
+    def pop(self, index: SupportsIndex = -1) -> Any:
+        item = list.pop(self, index)
+        self.comm._stepped = False
+        return item
 
 
 def _cpu_twin(group: dist.ProcessGroup, cpu_group: object) -> Any:

@@ -189,26 +189,12 @@ def ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def open_agreement(comm: Any, config: Any) -> None:
-    """Agreement through the store, bounded by ``peer_timeout`` (the environment's when ``config``
-    is not a Config yet: a malformed one is reported through the agreement itself)."""
+def open_agreement(comm: Any, timeout: float) -> None:
+    """Agreement through the store, each wait bounded by ``timeout`` seconds (``peer_timeout``)."""
     store = default_store()
     if store is None:
         return
-    from arnorm._config import Config
-
-    timeout = config.peer_timeout if isinstance(config, Config) else _env_peer_timeout()
     import torch.distributed as dist
 
     ranks = tuple(dist.get_process_group_ranks(comm.group))
     comm.channel = Channel(store, ranks, comm.rank, timeout)
-
-
-def _env_peer_timeout() -> float:
-    from arnorm._config import Config
-    from arnorm._errors import ArnormError
-
-    try:
-        return float(Config().peer_timeout)
-    except ArnormError:
-        return float(Config.model_fields["peer_timeout"].default)

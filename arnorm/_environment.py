@@ -1,10 +1,12 @@
-"""Settings from ``ARNORM_*`` variables: exact names only, checked, and the warnings for the rest.
+"""The ``ARNORM_*`` variables: read by exact name, their errors in arnorm's grammar, and the
+warnings for the rest.
 
-Two kinds of settings read the environment the same way:
+Two kinds of settings (:mod:`arnorm._config`) read the environment the same way:
 
 - the core's :class:`arnorm.Config` (``ARNORM_<FIELD>``), and
-- a backend's own :class:`BackendSettings` model, declared on its descriptor
-  (``ARNORM_<BACKEND>_<FIELD>``, e.g. ``ARNORM_TRITON_EXACT``), built by :func:`backend_settings`.
+- a backend's own :class:`arnorm.plugin.BackendSettings` model, declared on its descriptor
+  (``ARNORM_<BACKEND>_<FIELD>``, e.g. ``ARNORM_TRITON_EXACT``), built by
+  :func:`arnorm.registry._load.backend_settings`.
 
 Only upper-case names are read: a lower-case ``arnorm_backend`` is ignored with a warning instead
 of being honoured under a name the error messages would not show. An ``ARNORM_*`` variable that no
@@ -17,19 +19,14 @@ import difflib
 import os
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
-from arnorm._errors import ConfigError
-
-if TYPE_CHECKING:
-    from arnorm.registry._spec import BackendSpec
+from arnorm._errors import ArnormWarning, ConfigError
 
 __all__ = [
     "PREFIX",
-    "BackendSettings",
-    "backend_settings",
     "config_error",
     "env_prefix",
     "read_environment",
@@ -37,20 +34,6 @@ __all__ = [
 ]
 
 PREFIX = "ARNORM_"
-
-
-class BackendSettings(BaseModel):
-    """Base class of a backend's own settings: frozen, unknown fields rejected.
-
-    Subclass it with typed, documented fields and name the class in ``BackendSpec(settings=...)``;
-    arnorm reads each field from ``ARNORM_<BACKEND>_<FIELD>`` (upper case), lets ``Config(settings=
-    {"<backend>": {...}})`` override it in code, checks that every rank has the same values, shows
-    them in ``explain`` and hands the instance to the backend's ``create()``. Numbers that must be
-    positive should say so (``Field(gt=0, allow_inf_nan=False)``): a value that cannot agree
-    across ranks is better rejected where it is read.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 def env_prefix(backend: str) -> str:
@@ -119,30 +102,12 @@ def config_error(
     return ConfigError(f"{where}: {found!r} ({needs})")
 
 
-def backend_settings(spec: BackendSpec, overrides: Mapping[str, Any] | None) -> BackendSettings:
-    """The backend's settings from its variables, with ``Config(settings=...)`` overrides on top."""
-    cls = spec.settings or BackendSettings
-    prefix = env_prefix(spec.name)
-    from_env = read_environment(prefix, cls.model_fields)
-    values: dict[str, Any] = {**from_env, **(overrides or {})}
-    for key in overrides or {}:
-        from_env.pop(key, None)
-    try:
-        return cls(**values)
-    except ValidationError as exc:
-        raise config_error(
-            exc, prefix, from_env, f"Config.settings[{spec.name!r}]", cls.model_fields
-        ) from None
-
-
 _warned: set[str] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        from arnorm._errors import ArnormWarning
-
         warnings.warn(message, ArnormWarning, stacklevel=4)
 
 
