@@ -88,7 +88,7 @@ def measure(quant, layout, normed, number: int, repeat: int) -> dict[str, float]
         device="cpu",
         backend="triton",
     )
-    backend = op._table[1]
+    backend = op._dispatch.table[1]
     assert type(backend).__name__ == "TritonBackend", type(backend)
     launcher = backend.launcher
     stub_launcher(launcher)
@@ -108,7 +108,7 @@ def measure(quant, layout, normed, number: int, repeat: int) -> dict[str, float]
     stub_launcher(launcher)
     backend(x, r, w, s)
     out = op.empty_output(1, s)
-    fast = op._fast_table[1]
+    fast = op._dispatch.fast_table[1]
     assert fast is not None, "triton at TP 1 offers a fast path"
     ptrs = (x.data_ptr(), r.data_ptr(), w.data_ptr(), 0 if s is None else s.data_ptr())
     rows = {

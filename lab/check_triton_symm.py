@@ -232,7 +232,7 @@ def _smoke_rank(rank: int, world: int) -> list[str]:
             got = op(parts[rank].clone(), res, w).residual
             ref, _ = add_rmsnorm(rank_order_sum(parts), res, w, 1e-6, 0.0)
             out.append(f"rank {rank} T={t}: residual bitwise {bool(torch.equal(got, ref))}")
-        op._chain[0].check()
+        op._dispatch.chain[0].check()
     return out
 
 

@@ -37,7 +37,7 @@ def main() -> int:
                     quant="nvfp4", scale_layout="swizzled_128x4", max_tokens=t, normed_output=normed,
                     device="cuda",
                 )  # fmt: skip
-                launcher = op._table[t].launcher  # private: the store mode is the launcher's
+                launcher = op._dispatch.table[t].launcher  # private: the store mode is the launcher's
                 ref = None
                 for two in (None, False):
                     launcher.fixed_two_pass = two

@@ -155,7 +155,7 @@ def main() -> None:
                     inp = inputs[c]
                     op = make_op(dev, c[0], c[1], c[2], max_tokens=c[3], inplace=not args.not_in_place)
                     if warps is not None:  # every launch of this op through kernel[grid] at `warps`
-                        launcher = op._table[c[3]].launcher
+                        launcher = op._dispatch.table[c[3]].launcher
                         launcher.fixed_warps = warps
                         launcher.unbind()
                     x = inp.x.clone()
@@ -178,7 +178,7 @@ def main() -> None:
                     us = dev.graph_us(lambda op=op, x=x, inp=inp: op(x, inp.r, inp.w, inp.scale), 20, 9)
                     times.setdefault((name, c), []).append(us)
                     if args.two_pass and c[1] in ("nvfp4", "mxfp8"):  # the same op, both store modes
-                        launcher = op._table[c[3]].launcher
+                        launcher = op._dispatch.table[c[3]].launcher
                         for two, label in ((False, " 1pass"), (True, " 2pass"), (None, "")):
                             launcher.fixed_two_pass = two
                             launcher.unbind()

@@ -150,7 +150,7 @@ def build(dev: Any, name: str, h: int, normed: bool, t: int) -> Any:
     with Swap(name):
         op = make_op(dev, h, "nvfp4", normed, max_tokens=t, layout=layout)
         if mode is not None:
-            launcher = op._table[t].launcher  # a lab script: it forces the store mode
+            launcher = op._dispatch.table[t].launcher  # a lab script: it forces the store mode
             launcher.fixed_two_pass = mode
             launcher.unbind()
     return op

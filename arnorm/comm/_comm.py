@@ -28,7 +28,10 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-__all__ = ["CallToken", "Comm"]
+__all__ = ["CLOSED", "CallToken", "Comm"]
+
+#: What a closed op says; the op's dispatch and its comm both raise it.
+CLOSED = "op: closed (needs a new arnorm.AllReduceNorm)"
 
 #: Header statuses.
 _OK, _POISON = 0, 1
@@ -183,7 +186,7 @@ class Comm:
         interpreter exit, where a gloo worker still finishing the last collective can abort the process."""
         self._data = self.group = self.cpu_group = self.channel = None
         if not self._broken:
-            self._broken = "op: closed (needs a new arnorm.AllReduceNorm)"
+            self._broken = CLOSED
 
     @property
     def counts_calls(self) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from arnorm._errors import ArnormWarning, InvalidInputError
-from arnorm.comm._comm import CallToken, Comm
+from arnorm.comm._comm import CLOSED, CallToken, Comm
 from arnorm.op._accel import AccelState, accelerator
 from arnorm.op._caller_outputs import CopyInto, OutRules, OutTrust
 from arnorm.op._check import CallRules, needs_scale
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from arnorm._problem import Problem
 
 __all__ = ["CLOSED", "Dispatch", "Dispatched", "build_dispatch", "closed_error"]
-
-CLOSED = "op: closed (needs a new arnorm.AllReduceNorm)"
 
 
 def closed_error() -> InvalidInputError:
