@@ -31,8 +31,8 @@ from arnorm._errors import (
     InferenceOnlyError,
     InvalidInputError,
 )
-from arnorm._formats import FORMAT_SPECS, FormatSpec, format_spec, round_up
-from arnorm._problem import DTYPES, Problem
+from arnorm._formats import DTYPES, FORMAT_SPECS, FormatSpec, format_spec, round_up
+from arnorm._problem import Problem
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
 from arnorm._settings import BackendSettings
