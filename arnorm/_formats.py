@@ -36,6 +36,7 @@ from typing import Literal, get_args
 
 __all__ = [
     "DTYPES",
+    "DTYPE_BYTES",
     "FORMAT_SPECS",
     "LAYOUTS",
     "NO_QUANT",
@@ -65,6 +66,9 @@ DtypeName = Literal["bfloat16", "float16", "float32"]
 QUANT_FORMATS: tuple[QuantName, ...] = get_args(QuantName)
 LAYOUTS: tuple[LayoutName, ...] = get_args(LayoutName)
 DTYPES: tuple[DtypeName, ...] = get_args(DtypeName)
+#: Bytes per element of each activation dtype.
+DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
+assert tuple(DTYPE_BYTES) == DTYPES, "DTYPE_BYTES and DtypeName must list the same dtypes"
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Final
 
+from arnorm.plugin import DTYPE_BYTES
+
 if TYPE_CHECKING:
     from arnorm.plugin import Problem
 
@@ -76,7 +78,6 @@ POOL_MAX_BYTES = 64 * 1024 * 1024
 #: 2 MiB, below which ``hipIpcGetMemHandle`` fails on sizes that are not a page multiple.
 POOL_GRANULE = 1024 * 1024
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _VERSION = re.compile(
     r"^\s*v?(?P<release>\d+(?:\.\d+)*)"
     r"(?:[-_.]?(?P<pre>a|b|rc|alpha|beta|c)[-_.]?(?P<pre_n>\d*))?"
@@ -131,7 +132,7 @@ def installed_version() -> str | None:
 
 
 def itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
+    return DTYPE_BYTES[dtype]
 
 
 def pool_bytes(problem: Problem) -> int:
@@ -171,7 +172,7 @@ def problem_reasons(problem: Problem, version: str | None) -> list[str]:
             f"quant: fp8_per_token on {arch} (needs {' or '.join(E4M3FN_ARCHS)}: {arch} writes e4m3fnuz, "
             "max 240, not arnorm's e4m3fn)"
         )
-    size = _ITEMSIZE.get(problem.dtype, 0)
+    size = DTYPE_BYTES.get(problem.dtype, 0)
     if fp8 and size and problem.hidden_size * size > ONE_STAGE_MAX_PACKS * PACK_BYTES:
         limit = ONE_STAGE_MAX_PACKS * PACK_BYTES // size
         reasons.append(f"hidden size: {problem.hidden_size} (needs <= {limit} for fp8_per_token)")

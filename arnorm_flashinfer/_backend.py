@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from arnorm.plugin import BackendSetupError, InvalidInputError, format_spec
+from arnorm.plugin import DTYPE_BYTES, BackendSetupError, InvalidInputError, format_spec
 from arnorm_flashinfer import _workspace
 from arnorm_flashinfer._api import FlashInferAPI, api_reasons, load
 from arnorm_flashinfer._outputs import CallPlan
 from arnorm_flashinfer._preflight import _join as _join_errors
 from arnorm_flashinfer._preflight import build_modules, decide, local_facts, mnnvl_blocker
-from arnorm_flashinfer._rules import DTYPE_BYTES, launcher_reasons
+from arnorm_flashinfer._rules import launcher_reasons
 
 if TYPE_CHECKING:
     import torch

@@ -165,3 +165,10 @@ def test_one_quant_name_type_and_one_dtype_triple():
 
     assert not hasattr(_capabilities, "QuantName")
     assert _capabilities.Capabilities(platforms=frozenset({"cpu"})).dtypes == frozenset(_formats.DTYPES)
+
+
+def test_dtype_bytes_cover_the_dtypes():
+    import torch
+
+    assert tuple(_formats.DTYPE_BYTES) == _formats.DTYPES
+    assert all(getattr(torch, d).itemsize == n for d, n in _formats.DTYPE_BYTES.items())
