@@ -1,36 +1,50 @@
-"""The one table of per-format facts: block size, input scale, output dtypes and shapes, layouts.
+"""The one table of per-format facts: code, block size, input scale, output dtypes and shapes, layouts.
 
 Everything that allocates, checks or describes a quantized output reads it: the quantizers and
 their checks (:mod:`arnorm.quant`), the custom op's fake implementation, the backends' output
 plans. It imports nothing heavy (dtypes are torch attribute names), so plugin descriptors and
 ``Capabilities`` may use it at discovery time.
 
-======================  ==========  ===========  ==========================  =======================
-format                  block size  input scale  data ``[T, H]``             scale returned
-======================  ==========  ===========  ==========================  =======================
-``fp8_static``          -           dequant      float8_e4m3fn ``[T, H]``    the input fp32 ``[1]``
-``fp8_per_token``       -           -            float8_e4m3fn ``[T, H]``    float32 ``[T, 1]``
-``nvfp4``               16          global enc.  uint8 ``[T, H/2]`` (2 e2m1)  float8_e4m3fn blocks
-``mxfp8``               32          -            float8_e4m3fn ``[T, H]``    uint8 E8M0 blocks
-======================  ==========  ===========  ==========================  =======================
+======================  ====  ==========  ===========  ==========================  =======================
+format                  code  block size  input scale  data ``[T, H]``             scale returned
+======================  ====  ==========  ===========  ==========================  =======================
+``fp8_static``          1     -           dequant      float8_e4m3fn ``[T, H]``    the input fp32 ``[1]``
+``fp8_per_token``       2     -           -            float8_e4m3fn ``[T, H]``    float32 ``[T, 1]``
+``nvfp4``               3     16          global enc.  uint8 ``[T, H/2]`` (2 e2m1)  float8_e4m3fn blocks
+``mxfp8``               4     32          -            float8_e4m3fn ``[T, H]``    uint8 E8M0 blocks
+======================  ====  ==========  ===========  ==========================  =======================
 
 Block scales are ``[T, H / block]`` in the ``linear`` layout and
 ``[round_up(T, 128), round_up(H / block, 4)]`` in ``swizzled_128x4`` (padding zero).
+
+A format's ``code`` is its identity for compiled code and tuned tables (the Triton kernels' ``QUANT``
+constexpr, the keys of ``arnorm_triton``'s launch tables): append-only. A new format takes the next
+unused code; a code is never reused or renumbered, whatever the order of the table
+(``tests/test_formats.py`` pins them). 0 means no quantized output.
+
+Adding a format: its name in :data:`QuantName`, its record in ``_SPECS``, its codec in
+:mod:`arnorm.quant` (docs/architecture.md, "Adding a format").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, get_args
 
 __all__ = [
+    "DTYPES",
+    "DTYPE_BYTES",
     "FORMAT_SPECS",
     "LAYOUTS",
+    "NO_QUANT",
     "QUANT_FORMATS",
+    "DtypeName",
     "FormatSpec",
     "LayoutName",
+    "QuantChoice",
     "QuantName",
     "format_spec",
     "round_up",
@@ -38,11 +52,23 @@ __all__ = [
 
 #: The quantized formats, in the order the docs list them: the one place their names are typed.
 QuantName = Literal["fp8_static", "fp8_per_token", "nvfp4", "mxfp8"]
+#: What a backend declares it serves (``Capabilities.quant``): a format, or ``"none"`` for no
+#: quantized output (``Problem.quant_name``).
+QuantChoice = Literal["none", QuantName]
+#: The name of "no quantized output" among the :data:`QuantChoice` values.
+NO_QUANT: Literal["none"] = "none"
 #: Layouts of block scales (nvfp4, mxfp8).
 LayoutName = Literal["linear", "swizzled_128x4"]
+#: The activation dtypes arnorm serves, by torch name: the one place they are typed (the op's
+#: ``dtype``, ``Capabilities.dtypes``, the quantizers' input, the CLI's choices).
+DtypeName = Literal["bfloat16", "float16", "float32"]
 
 QUANT_FORMATS: tuple[QuantName, ...] = get_args(QuantName)
 LAYOUTS: tuple[LayoutName, ...] = get_args(LayoutName)
+DTYPES: tuple[DtypeName, ...] = get_args(DtypeName)
+#: Bytes per element of each activation dtype.
+DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
+assert tuple(DTYPE_BYTES) == DTYPES, "DTYPE_BYTES and DtypeName must list the same dtypes"
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -60,9 +86,11 @@ class FormatSpec:
     ``takes_scale``: the call needs an fp32 ``[1]`` input scale. It is either the dequant scale the
     output hands back as its own (``returns_input_scale``: fp8_static) or a global encode scale kept
     beside computed block scales (``keeps_global_scale``: nvfp4).
+    ``code``: the format's fixed number for compiled code and tuned tables (append-only, >= 1).
     """
 
     name: str
+    code: int
     block_size: int | None
     takes_scale: bool
     data_dtype: str
@@ -84,13 +112,17 @@ class FormatSpec:
 
     @property
     def layouts(self) -> tuple[str, ...]:
-        """The block-scale layouts this format may use (none for the fp8 formats)."""
-        return LAYOUTS if self.block_size else ()
+        """The block-scale layouts this format may use, its default first (none for the fp8 formats)."""
+        if not self.block_size:
+            return ()
+        first = self.default_layout or LAYOUTS[0]
+        return (first, *(x for x in LAYOUTS if x != first))
 
     @property
     def hidden_multiple(self) -> int:
-        """The hidden size must be a multiple of this (the block size; 1 without block scales)."""
-        return self.block_size or 1
+        """The hidden size must be a multiple of this: a whole number of blocks, and of bytes for a
+        packed format (``elements_per_byte`` codes share a byte); 1 for the unpacked fp8 formats."""
+        return math.lcm(self.block_size or 1, self.elements_per_byte)
 
     def data_shape(self, num_tokens: int, hidden_size: int) -> tuple[int, int]:
         """Shape of the codes tensor."""
@@ -106,16 +138,29 @@ class FormatSpec:
         return (num_tokens, cols)
 
 
+# fmt: off
 _SPECS = (
-    FormatSpec("fp8_static", None, True, "float8_e4m3fn", 1, None, None, sample_scale=0.02),
-    FormatSpec("fp8_per_token", None, False, "float8_e4m3fn", 1, "float32", None),
-    FormatSpec("nvfp4", 16, True, "uint8", 2, "float8_e4m3fn", "swizzled_128x4", sample_scale=448 * 6 / 8.0),
-    FormatSpec("mxfp8", 32, False, "float8_e4m3fn", 1, "uint8", "linear"),
+    #          name            code block takes  data             /byte scale            default layout
+    FormatSpec("fp8_static",    1,  None, True,  "float8_e4m3fn", 1,   None,            None,
+               sample_scale=0.02),
+    FormatSpec("fp8_per_token", 2,  None, False, "float8_e4m3fn", 1,   "float32",       None),
+    FormatSpec("nvfp4",         3,  16,   True,  "uint8",         2,   "float8_e4m3fn", "swizzled_128x4",
+               sample_scale=448 * 6 / 8.0),
+    FormatSpec("mxfp8",         4,  32,   False, "float8_e4m3fn", 1,   "uint8",         "linear"),
 )
+# fmt: on
 
 #: Every quantized format by name, in the order the docs list them.
 FORMAT_SPECS: Mapping[str, FormatSpec] = MappingProxyType({s.name: s for s in _SPECS})
 assert tuple(FORMAT_SPECS) == QUANT_FORMATS, "the format table and QuantName must list the same formats"
+
+
+def _check_codes(specs: Iterable[FormatSpec]) -> None:
+    codes = [s.code for s in specs]
+    assert len(set(codes)) == len(codes) and min(codes) >= 1, f"codes: {codes} (needs each once, >= 1)"
+
+
+_check_codes(_SPECS)
 
 
 def format_spec(name: str) -> FormatSpec:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DTYPES", "Problem"]
-
-#: dtypes arnorm accepts, by torch name.
-DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+__all__ = ["Problem"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,9 +24,9 @@ __all__ = [
 ]
 
 #: Quantized output formats, in the order the docs list them (``None`` means no quantized output).
-QUANT_FORMATS: tuple[str, ...] = _formats.QUANT_FORMATS
-#: Layouts of block scales (nvfp4, mxfp8).
-SCALE_LAYOUTS: tuple[str, ...] = _formats.LAYOUTS
+QUANT_FORMATS = _formats.QUANT_FORMATS
+#: Layouts of block scales (nvfp4, mxfp8): the format table's.
+SCALE_LAYOUTS = _formats.LAYOUTS
 
 
 class LocalGroup:

@@ -32,8 +32,8 @@ from arnorm._errors import (
     InferenceOnlyError,
     InvalidInputError,
 )
-from arnorm._formats import FORMAT_SPECS, FormatSpec, format_spec, round_up
-from arnorm._problem import DTYPES, Problem
+from arnorm._formats import DTYPE_BYTES, DTYPES, FORMAT_SPECS, FormatSpec, format_spec, round_up
+from arnorm._problem import Problem
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
 from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation
@@ -46,6 +46,7 @@ if _typing.TYPE_CHECKING:  # loaded on first use by __getattr__ below
 
 __all__ = [
     "DTYPES",
+    "DTYPE_BYTES",
     "FORMAT_SPECS",
     "LOCAL",
     "QUANT_FORMATS",

@@ -73,7 +73,7 @@ class AiterBackend:
         self._world = problem.world_size
         self._eps = problem.eps
         self._gemma = problem.weight_offset == 1.0
-        self._fp8 = problem.quant == "fp8_per_token"
+        self._fp8 = problem.quant == _rules.FP8_FORMAT
         self._normed = problem.normed_output
         self._inplace = problem.inplace
         # AITER turns registration off under expandable segments (IPC cannot export those pointers).
@@ -82,7 +82,7 @@ class AiterBackend:
         )
         self._capturing = False
         self._one_stage: dict[int, bool] = {}
-        spec = format_spec("fp8_per_token")
+        spec = format_spec(_rules.FP8_FORMAT)
         self._codes_dtype = getattr(torch, spec.data_dtype)
         self._scale_dtype = getattr(torch, spec.scale_dtype or "float32")
 
@@ -177,7 +177,7 @@ class AiterBackend:
             emit_bf16=self._normed,
         )
         mirror = result[3] if self._normed else None  # the dtype copy of the normed values (emit_bf16)
-        return Output(mirror, res_out, QuantizedActivation(data, token_scale, "fp8_per_token"))
+        return Output(mirror, res_out, QuantizedActivation(data, token_scale, _rules.FP8_FORMAT))
 
     # -- graphs and lifetime ------------------------------------------------------------------
 

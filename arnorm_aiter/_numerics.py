@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from arnorm_aiter._rules import FP8_FORMAT
+
 __all__ = ["TOLERANCE", "Deviation", "deviation", "expected", "violations"]
 
 #: Tolerances against the contract reference (the ``reference`` backend on the same inputs).
@@ -54,7 +56,7 @@ def expected(
         acc = acc + p.float()
     h32 = acc.to(dtype).float() + residual.float()
     h = h32.to(dtype)
-    fp8 = quant == "fp8_per_token"
+    fp8 = quant == FP8_FORMAT
     x = h.float() if (fp8 and not one_stage) else h32
     inv = torch.rsqrt(x.square().sum(dim=-1, keepdim=True) / x.shape[-1] + eps)
     w = weight.float() + weight_offset

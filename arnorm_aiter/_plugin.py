@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from arnorm.plugin import BackendSpec, Capabilities, hookimpl
-from arnorm_aiter._rules import MIN_VERSION
+from arnorm_aiter._rules import FP8_FORMAT, MIN_VERSION
 
 __all__ = ["CAPABILITIES", "arnorm_backends"]
 
@@ -12,7 +12,7 @@ __all__ = ["CAPABILITIES", "arnorm_backends"]
 CAPABILITIES = Capabilities(
     platforms=frozenset({"rocm"}),
     dtypes=frozenset({"bfloat16", "float16"}),
-    quant=frozenset({"none", "fp8_per_token"}),
+    quant=frozenset({"none", FP8_FORMAT}),
     world_sizes=frozenset({2, 4, 8}),
     hidden_multiple=8,
     max_hidden=16384,

@@ -20,7 +20,9 @@ per-rank input under 256 KiB at TP 4 or 128 KiB at TP 8 (no byte cap at TP 2).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
+
+from arnorm.plugin import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from arnorm.plugin import Problem
@@ -30,6 +32,7 @@ __all__ = [
     "DISTRIBUTIONS",
     "E4M3FN_ARCHS",
     "EMIT_BF16_VERSION",
+    "FP8_FORMAT",
     "GEMMA_VERSION",
     "MIN_VERSION",
     "ONE_STAGE_MAX_TOKENS",
@@ -42,6 +45,9 @@ __all__ = [
     "token_reasons",
     "use_one_stage",
 ]
+
+#: The one quantized format AITER's fused kernels write (fp8 codes, an fp32 scale per token).
+FP8_FORMAT: Final = "fp8_per_token"
 
 #: Distribution names aiter is installed under (PyPI / ``setup.py``: ``amd-aiter``).
 DISTRIBUTIONS = ("amd-aiter", "aiter")
@@ -72,7 +78,6 @@ POOL_MAX_BYTES = 64 * 1024 * 1024
 #: 2 MiB, below which ``hipIpcGetMemHandle`` fails on sizes that are not a page multiple.
 POOL_GRANULE = 1024 * 1024
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _VERSION = re.compile(
     r"^\s*v?(?P<release>\d+(?:\.\d+)*)"
     r"(?:[-_.]?(?P<pre>a|b|rc|alpha|beta|c)[-_.]?(?P<pre_n>\d*))?"
@@ -127,7 +132,7 @@ def installed_version() -> str | None:
 
 
 def itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
+    return DTYPE_BYTES[dtype]
 
 
 def pool_bytes(problem: Problem) -> int:
@@ -140,7 +145,7 @@ def problem_reasons(problem: Problem, version: str | None) -> list[str]:
     """Everything the declared capabilities cannot say: aiter's version, the GPU, the norm, fp8 limits."""
     reasons: list[str] = []
     gemma = problem.weight_offset == 1.0
-    fp8 = problem.quant == "fp8_per_token"
+    fp8 = problem.quant == FP8_FORMAT
     if version is None:
         names = " or ".join(DISTRIBUTIONS)
         reasons.append(f"aiter version: unknown, no metadata for {names} (needs amd-aiter >= {MIN_VERSION})")
@@ -167,7 +172,7 @@ def problem_reasons(problem: Problem, version: str | None) -> list[str]:
             f"quant: fp8_per_token on {arch} (needs {' or '.join(E4M3FN_ARCHS)}: {arch} writes e4m3fnuz, "
             "max 240, not arnorm's e4m3fn)"
         )
-    size = _ITEMSIZE.get(problem.dtype, 0)
+    size = DTYPE_BYTES.get(problem.dtype, 0)
     if fp8 and size and problem.hidden_size * size > ONE_STAGE_MAX_PACKS * PACK_BYTES:
         limit = ONE_STAGE_MAX_PACKS * PACK_BYTES // size
         reasons.append(f"hidden size: {problem.hidden_size} (needs <= {limit} for fp8_per_token)")
@@ -202,7 +207,7 @@ def token_reasons(problem: Problem, tokens: int, pool: int) -> list[str]:
     cap = ONE_STAGE_MAX_BYTES.get(ws)
     one = f"<= {ONE_STAGE_MAX_TOKENS} tokens" + (f" and < {cap >> 10} KiB per rank" if cap else "")
     one += " for the 1-stage kernel"
-    if problem.quant == "fp8_per_token":
+    if problem.quant == FP8_FORMAT:
         if h % FP8_TWO_STAGE_HIDDEN_MULTIPLE:
             return [
                 f"tokens: {tokens} at hidden size {h} (needs {one}; the 2-stage fp8 kernels need a "

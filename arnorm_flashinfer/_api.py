@@ -38,7 +38,7 @@ PATTERNS: dict[tuple[str | None, bool], str] = {
 }
 #: arnorm scale layout -> ``QuantizationSFLayout`` attribute. SWIZZLED_8x4 is never used: the fused
 #: kernel has no branch for it and writes no scales.
-LAYOUTS: dict[str, str] = {"swizzled_128x4": "SWIZZLED_128x4", "linear": "LINEAR"}
+SF_LAYOUTS: dict[str, str] = {"swizzled_128x4": "SWIZZLED_128x4", "linear": "LINEAR"}
 #: Only MXFP8 needs more than the unified API of 0.7.2.
 MXFP8_MIN_VERSION = "0.7.4"
 API_MIN_VERSION = "0.7.2"
@@ -59,7 +59,7 @@ class FlashInferAPI:
         return int(getattr(self.patterns, PATTERNS[(quant, normed_output)]))
 
     def layout_code(self, layout: str | None) -> int | None:
-        return None if layout is None else int(getattr(self.layouts, LAYOUTS[layout]))
+        return None if layout is None else int(getattr(self.layouts, SF_LAYOUTS[layout]))
 
     def torch_dist_backend(self, group: Any) -> Any:
         """FlashInfer's ``CommBackend`` over ``group`` (so nothing falls back to WORLD or to MPI)."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from arnorm.plugin import BackendSetupError, InvalidInputError
+from arnorm.plugin import DTYPE_BYTES, BackendSetupError, InvalidInputError, format_spec
 from arnorm_flashinfer import _workspace
 from arnorm_flashinfer._api import FlashInferAPI, api_reasons, load
 from arnorm_flashinfer._outputs import CallPlan
 from arnorm_flashinfer._preflight import _join as _join_errors
 from arnorm_flashinfer._preflight import build_modules, decide, local_facts, mnnvl_blocker
-from arnorm_flashinfer._rules import DTYPE_BYTES, launcher_reasons
+from arnorm_flashinfer._rules import launcher_reasons
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FlashInferBackend"]
 
-_STATIC_SCALE = ("fp8_static", "nvfp4")
 _UNSET: Any = object()
 
 
@@ -86,11 +85,12 @@ class FlashInferBackend:
         self._dtype = getattr(torch, problem.dtype)
         self._elem = DTYPE_BYTES[problem.dtype]
         self._pattern = api.pattern(problem.quant, problem.normed_output)
+        spec = format_spec(problem.quant) if problem.quant is not None else None
         self._layout_code = api.layout_code(
-            problem.scale_layout if problem.quant in ("nvfp4", "mxfp8") else None
+            problem.scale_layout if spec is not None and spec.block_size else None
         )
         self._outputs = CallPlan(problem)
-        self._static_scale = problem.quant in _STATIC_SCALE
+        self._static_scale = spec is not None and spec.takes_scale
         self._eps = float(problem.eps)
         self._offset = float(problem.weight_offset)
         self._oneshot: dict[int, bool | None] = {}

@@ -97,6 +97,6 @@ class CallPlan:
                 scales = make(shape, dtype=self._scale_dtype, device=device)
                 # FlashInfer takes block scales as 1-D bytes in the same row-major order.
                 kw["scale_out"] = scales.view(-1) if spec.block_size else scales
-                global_scale = scale if spec.name == "nvfp4" else None
+                global_scale = scale if spec.keeps_global_scale else None
                 qa = QuantizedActivation(data, scales, spec.name, self.layout, global_scale)
         return kw, Output(norm if self.return_normed else None, res, qa)

@@ -15,12 +15,11 @@ __all__ = ["CAPABILITIES", "FlashInferSettings", "arnorm_backends"]
 #: limit at the hidden size's alignment, and the installed FlashInfer's patterns).
 CAPABILITIES = Capabilities(
     platforms=frozenset({"cuda"}),
-    dtypes=frozenset({"bfloat16", "float16", "float32"}),
+    # Every dtype and both scale layouts of the format table (the defaults): SWIZZLED_8x4, which
+    # FlashInfer also has, is not an arnorm layout (the fused kernel writes no scales for it).
     quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
     # The FP4 patterns are not instantiated for float inputs.
     quant_dtypes={"nvfp4": frozenset({"bfloat16", "float16"})},  # _rules.HALF_ONLY
-    # SWIZZLED_8x4 is not offered: the fused kernel writes no scales for it.
-    scale_layouts=frozenset({"linear", "swizzled_128x4"}),
     world_sizes=frozenset(WORLD_SIZES),
     min_arch=MIN_ARCH,
     arch_majors=frozenset(ARCH_MAJORS),

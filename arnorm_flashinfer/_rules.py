@@ -1,4 +1,4 @@
-"""What FlashInfer's TRT-LLM fused kernels accept, as rejection reasons (no imports beyond the stdlib).
+"""What FlashInfer's TRT-LLM fused kernels accept, as rejection reasons (no heavy imports).
 
 Each rule cites what it protects against; "read" means read in FlashInfer 0.7.x source
 (``include/flashinfer/comm/trtllm_allreduce_fusion.cuh``, ``flashinfer/comm/allreduce.py``,
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from arnorm.plugin import DTYPE_BYTES
+
 if TYPE_CHECKING:
     from arnorm.plugin import Problem
 
 __all__ = [
     "ARCH_MAJORS",
-    "DTYPE_BYTES",
     "HALF_ONLY",
     "MIN_ARCH",
     "NVFP4_MIN_ARCH",
@@ -31,7 +32,6 @@ MIN_ARCH = (9, 0)
 #: The FP4 quantizer of the fused kernel is compiled out below SM100 (``#if __CUDA_ARCH__ >= 1000``):
 #: on SM90 patterns 3/5 would run and write all-zero codes and no scales.
 NVFP4_MIN_ARCH = (10, 0)
-DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: Formats whose kernels take 16-bit inputs only: the FP4 patterns are not instantiated for float
 #: ("FP4Quant pattern cannot work with DType=float"); MXFP8 is (a 4-element fp32 vector per thread).
 HALF_ONLY: tuple[str, ...] = ("nvfp4",)

@@ -23,8 +23,9 @@ block of ``GROUP`` elements (16 for nvfp4, 32 for mxfp8) is ``GROUP // VEC`` nei
 reshaped to ``[BLOCK // GROUP, GROUP // VEC, VEC]`` for its amax.
 ``BLOCK = max(next_pow2(H), 4 * GROUP)``; lanes at or beyond ``H`` are masked and load as zero.
 
-Quantized outputs (``QUANT``: 0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4, 4 mxfp8), all
-stored as bytes so the kernel never needs an fp8 pointer type:
+Quantized outputs (``QUANT``: 0 none, else the format's code in arnorm's format table,
+:data:`QUANT_CODES`: 1 fp8_static, 2 fp8_per_token, 3 nvfp4, 4 mxfp8), all stored as bytes so the
+kernel never needs an fp8 pointer type:
 
 - fp8 (1, 2) and mxfp8 (4): e4m3 codes ``[T, H]``; per-token scales fp32 ``[T]``.
 - nvfp4: e2m1 pairs ``[T, H/2]``, low nibble first; e4m3 block scales.
@@ -61,6 +62,7 @@ __all__ = [
     "QUANT_CODES",
     "epilogue_operands",
     "fused_add_rmsnorm_quant_kernel",
+    "is_swizzled",
     "norm_quant_apply",
     "norm_quant_epilogue",
     "padding_programs",
@@ -71,17 +73,30 @@ __all__ = [
 
 #: Swizzled scale padding rows zeroed per extra program.
 PAD_ROWS_PER_PROGRAM = tl.constexpr(32)
-#: Quant format -> the kernels' ``QUANT`` constexpr.
-#: The kernels' QUANT constexpr: 0 without quantization, else 1 + the format's place in arnorm's
-#: format table (fp8_static 1, fp8_per_token 2, nvfp4 3, mxfp8 4; the kernels branch on these).
-QUANT_CODES: dict[str | None, int] = {None: 0, **{name: i + 1 for i, name in enumerate(FORMAT_SPECS)}}
+#: The kernels' QUANT constexpr: 0 without quantization, else the format's code in arnorm's format
+#: table (``FormatSpec.code``, append-only and pinned by a test: fp8_static 1, fp8_per_token 2,
+#: nvfp4 3, mxfp8 4; the kernels branch on these, the launch tables are keyed on them).
+QUANT_CODES: dict[str | None, int] = {None: 0, **{name: spec.code for name, spec in FORMAT_SPECS.items()}}
+#: The codes the kernels' quantizer branches on, by name (a kernel never spells a code's number).
+_FP8_STATIC = tl.constexpr(QUANT_CODES["fp8_static"])
+_FP8_PER_TOKEN = tl.constexpr(QUANT_CODES["fp8_per_token"])
+_NVFP4 = tl.constexpr(QUANT_CODES["nvfp4"])
+_MXFP8 = tl.constexpr(QUANT_CODES["mxfp8"])
+#: GROUP for the formats without block scales: any power of two the row shape accepts.
+_NO_BLOCK_GROUP = 16
 
 
 def row_shape(hidden: int, quant: str | None, itemsize: int) -> tuple[int, int, int]:
     """``(BLOCK, GROUP, VEC)`` constexprs for a row of ``hidden`` elements of ``itemsize`` bytes
-    quantized as ``quant``: VEC elements are one 16-byte access."""
-    group = 32 if quant == "mxfp8" else 16
+    quantized as ``quant`` (GROUP: the format's block size): VEC elements are one 16-byte access."""
+    block = FORMAT_SPECS[quant].block_size if quant is not None else None
+    group = block or _NO_BLOCK_GROUP
     return max(triton.next_power_of_2(hidden), 4 * group), group, 16 // itemsize
+
+
+def is_swizzled(quant: str | None, layout: str | None) -> bool:
+    """Whether a kernel for ``quant`` in ``layout`` stores 128x4-swizzled block scales (``SWIZZLED``)."""
+    return quant is not None and bool(FORMAT_SPECS[quant].block_size) and layout == "swizzled_128x4"
 
 
 def padding_programs(n_rows: int) -> int:
@@ -196,7 +211,7 @@ def epilogue_operands(row, res_ptr, res_stride, w_ptr, scale_ptr, HIDDEN: tl.con
     else:
         res = tl.zeros(offs.shape, w_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    if QUANT == 1 or QUANT == 3:
+    if QUANT in (_FP8_STATIC, _NVFP4):  # the formats that take an input scale
         scale = tl.load(scale_ptr)
     else:
         scale = tl.full([], 1.0, tl.float32)
@@ -300,14 +315,14 @@ def norm_quant_apply(
     yf = to_fp32(y, SOFT)
 
     # Step 4: the quantizer reads the D-rounded y; amaxes propagate NaN as torch's amax does.
-    if QUANT == 1:  # fp8_static: satfinite_rn(y * fp32(1 / scale))
+    if QUANT == _FP8_STATIC:  # satfinite_rn(y * fp32(1 / scale))
         tl.store(q_ptr + base + offs, e4m3_bits(yf * tl.div_rn(1.0, scale), SOFT_FP8, False), mask=mask)
-    elif QUANT == 2:  # fp8_per_token: scale_t = max(amax_t / 448, 1 / (448 * 512)), q = y / scale_t
+    elif QUANT == _FP8_PER_TOKEN:  # scale_t = max(amax_t / 448, 1 / (448 * 512)), q = y / scale_t
         amax = abs_max(abs_max(yf, 1), 0)
         tok_scale = tl.maximum(tl.div_rn(amax, E4M3_MAX), _MIN_TOKEN_SCALE, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + base + offs, e4m3_bits(tl.div_rn(yf, tok_scale), SOFT_FP8, False), mask=mask)
         tl.store(sf_ptr + row64, tok_scale)
-    elif QUANT == 3:  # nvfp4: SF = e4m3(gs * (amax16 * fp32(1/6))), q = e2m1(y * (gs / SF))
+    elif QUANT == _NVFP4:  # SF = e4m3(gs * (amax16 * fp32(1/6))), q = e2m1(y * (gs / SF))
         yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])  # a block's slices: neighbouring threads
         # A float amax is abs_max's value up to the NaN payload, which no later step reads.
         amax = tl.reduce(tl.reduce(yb, 2, _max_abs_nan), 1, _max_abs_nan)
@@ -337,7 +352,7 @@ def norm_quant_apply(
         # memory; one word per thread from the reduction's layout is already whole sectors.
         tl.store(wptr + tl.max_contiguous(woffs, [1]), words, mask=woffs < HIDDEN // VEC)
         _store_block_scales(sf_ptr, sf_code, row64, blk, HIDDEN // GROUP, SWIZZLED)
-    elif QUANT == 4:  # mxfp8: e = ue8m0_round_up(amax32 * fp32(1/448)), q = e4m3(y * 2**(127 - e))
+    elif QUANT == _MXFP8:  # e = ue8m0_round_up(amax32 * fp32(1/448)), q = e4m3(y * 2**(127 - e))
         yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])  # a block's slices: neighbouring threads
         e = ue8m0_round_up(abs_max(abs_max(yb, 2), 1) * _INV_E4M3_MAX)
         q = e4m3_bits(yb * ue8m0_to_inv_scale(e)[:, None, None], SOFT_FP8)

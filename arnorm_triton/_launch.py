@@ -82,7 +82,7 @@ class FusedLauncher:
         self.itemsize = itemsize
         self.quant = quant
         self.arch = arch
-        self.swizzled = layout == "swizzled_128x4" and quant in ("nvfp4", "mxfp8")
+        self.swizzled = K.is_swizzled(quant, layout)
         self.fixed_warps = num_warps
         #: Two-pass scale stores forced on or off (labs, tests); None: the table's rule.
         self.fixed_two_pass = two_pass

@@ -1,8 +1,8 @@
 """Warps per row program, per (GPU family, row shape, format, outputs, token count): a fixed table.
 
-The rows are measured on real hardware (``lab/gpu_kernel_round.sh`` runs
-``lab/bench_norm_quant.py --tune``, which writes ``arnorm_triton/_launch_measured.py`` for
-the GPU it runs on). Every TP rank reads the same table for the same call, so every rank launches
+The rows are measured on real hardware: ``python benchmarks/tune_launch_table.py --write-table``
+writes ``arnorm_triton/_launch_measured.py`` for the GPU it runs on (docs/performance.md, "The
+launch table"). Every TP rank reads the same table for the same call, so every rank launches
 the same grid with the same warp count (the warp count changes the order of the sum of squares,
 so ranks must agree on it; they do, by construction). Token buckets are powers of two: a row
 ``(t_max, warps)`` serves ``T <= t_max`` above the previous row's ``t_max``.
@@ -10,13 +10,15 @@ so ranks must agree on it; they do, by construction). Token buckets are powers o
 
 from __future__ import annotations
 
+from arnorm.plugin import FORMAT_SPECS
 from arnorm_triton._launch_measured import MEASURED
 
 __all__ = ["TABLE", "TWO_PASS_FROM", "TableKey", "default_num_warps", "launch_config", "two_pass_scales"]
 
-#: ``(cuda major, BLOCK, QUANT code, WRITE_NORMED, itemsize)``; QUANT codes are
-#: :data:`arnorm_triton._kernels.QUANT_CODES` (0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4,
-#: 4 mxfp8).
+#: ``(cuda major, BLOCK, QUANT code, WRITE_NORMED, itemsize)``; the QUANT code is the format's
+#: ``FormatSpec.code`` in arnorm's format table (0 none, 1 fp8_static, 2 fp8_per_token, 3 nvfp4,
+#: 4 mxfp8), fixed for good (``tests/test_formats.py`` pins them): a format added to the table
+#: never moves a tuned row onto another format.
 TableKey = tuple[int, int, int, bool, int]
 
 #: ``key -> ((t_max, num_warps), ...)`` ascending in ``t_max``; T beyond the last row, and keys not
@@ -61,7 +63,9 @@ def launch_config(
 #: nvfp4's scale bytes) gains nothing: not listed. Re-checked on the flat row layout (run 24's
 #: `cur` columns): the same rule holds.
 TWO_PASS_FROM: dict[TableKey, int] = {
-    (9, block, 3, normed, 2): 4096 for block in (4096, 8192) for normed in (False, True)
+    (9, block, FORMAT_SPECS["nvfp4"].code, normed, 2): 4096
+    for block in (4096, 8192)
+    for normed in (False, True)
 }
 
 

@@ -16,11 +16,10 @@ MAX_HIDDEN = 16384
 #: what cannot be declared: Triton importable and new enough, and the interpreter for CPU tensors.
 CAPABILITIES = Capabilities(
     platforms=frozenset({"cpu", "cuda", "rocm"}),
-    dtypes=frozenset({"bfloat16", "float16", "float32"}),
+    # Every dtype and scale layout (the defaults). The formats the kernels' quantizer branches on
+    # (``QUANT``, by the format table's codes); each format's hidden multiple (whole quantization
+    # blocks: the kernel reduces each block as one unit) comes from the table.
     quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
-    scale_layouts=frozenset({"linear", "swizzled_128x4"}),
-    # H must be a whole number of quantization blocks: the kernel reduces each block as one unit.
-    quant_hidden_multiple={"nvfp4": 16, "mxfp8": 32},
     min_arch=(8, 0),
     max_hidden=MAX_HIDDEN,
     round_before_weight=True,

@@ -7,7 +7,7 @@
 # 2. warms FlashInfer's JIT norm kernels in the background (bounded; absent FlashInfer is fine);
 # 3. runs the triton tests on the GPU (tests/arnorm_triton, gpu-marked and the rest that run on the
 #    GPU when one is present; not multigpu/slow), sharded over processes so Triton compiles in parallel;
-# 4. measures the launch table (lab/bench_norm_quant.py --write-table: every warp candidate per
+# 4. measures the launch table (benchmarks/tune_launch_table.py --write-table: every warp candidate per
 #    (H, format, outputs, T bucket)) and installs it in this tree for step 5;
 # 5. benchmarks the public op against FlashInfer (benchmarks/bench_public_op.py).
 # Everything lands in $OUT (at most 8 files): summary.txt, gpu-tests.log, run.log,
@@ -88,7 +88,7 @@ if [ "${SKIP_TABLE:-0}" = 1 ]; then
   log "launch table: skipped (SKIP_TABLE=1), the committed one is used"
 else
   log "launch table"
-  timeout 110 python3 lab/bench_norm_quant.py "${SMOKE_ARGS[@]}" --write-table --deadline 80 --out "$OUT" >> "$OUT/run.log" 2>&1
+  timeout 110 python3 benchmarks/tune_launch_table.py "${SMOKE_ARGS[@]}" --write-table --deadline 80 --out "$OUT" >> "$OUT/run.log" 2>&1
   log "launch table exit $?"
   sed -n '/^MEASURED/,/^}/p' "$OUT/_launch_measured.py" 2>/dev/null | tee -a "$OUT/summary.txt"
 fi

@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arnorm import plugin
 from arnorm._reference import add_rmsnorm, rank_order_sum
 from arnorm.testing import ulp_distance as ulp_diff
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DTYPES = [getattr(torch, d) for d in plugin.DTYPES]
 
 
 def float64_contract(parts, residual, weight, eps, offset):

@@ -10,13 +10,13 @@ import argparse
 import sys
 from typing import Any
 
-from arnorm._formats import FORMAT_SPECS
+from arnorm._formats import FORMAT_SPECS, QUANT_FORMATS
 
 __all__ = ["DEFAULTS", "pick_device", "run"]
 
 #: Values of the synthetic stack's options when not given (``None`` on the command line, so that
 #: ``--model`` can tell which were given).
-DEFAULTS = {"layers": 4, "tokens": 16, "hidden": 256, "quant": "fp8_static"}
+DEFAULTS = {"layers": 4, "tokens": 16, "hidden": 256, "quant": QUANT_FORMATS[0]}
 
 
 def pick_device(device: str, tp: int) -> str:

@@ -14,12 +14,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from arnorm._formats import LAYOUTS, QUANT_FORMATS
+from arnorm._formats import DTYPES, LAYOUTS, QUANT_FORMATS
 from arnorm.cli._usage import UsageError
 
 __all__ = ["build_parser", "main"]
 
-DTYPES = ("bfloat16", "float16", "float32")
 QUANTS = ("none", *QUANT_FORMATS)
 MODELS = ("llama", "gemma3")
 

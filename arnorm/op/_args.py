@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from arnorm._errors import InvalidInputError
-from arnorm._problem import DTYPES, Problem
+from arnorm._formats import DTYPES
+from arnorm._problem import Problem
 from arnorm._types import RMSNorm
 
 if TYPE_CHECKING:

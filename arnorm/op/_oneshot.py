@@ -10,7 +10,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import InvalidInputError
-from arnorm._problem import DTYPES
+from arnorm._formats import DTYPES
 from arnorm._types import LOCAL, Output, RMSNorm
 from arnorm.op._faults import group_owner, is_destroyed
 from arnorm.op._guards import agree_call

@@ -22,19 +22,12 @@ from collections.abc import Callable
 import torch
 
 from arnorm._errors import InvalidInputError
-from arnorm._formats import FORMAT_SPECS, FormatSpec, format_spec
+from arnorm._formats import FORMAT_SPECS, LAYOUTS, FormatSpec, format_spec
+from arnorm._formats import QUANT_FORMATS as FORMATS
 from arnorm._types import QuantizedActivation
 from arnorm.quant._empty import empty_quantized
 from arnorm.quant._fp8 import dequantize_fp8, quantize_fp8_per_token, quantize_fp8_static
-from arnorm.quant._inputs import (
-    BLOCK_SIZES,
-    FORMATS,
-    LAYOUTS,
-    check_format,
-    check_input,
-    check_scale,
-    default_layout,
-)
+from arnorm.quant._inputs import check_format, check_input, check_scale, default_layout
 from arnorm.quant._layout import swizzle_128x4, unswizzle_128x4
 from arnorm.quant._mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from arnorm.quant._nvfp4 import dequantize_nvfp4, quantize_nvfp4
@@ -91,9 +84,9 @@ def _check_quantized(q: QuantizedActivation) -> None:
         raise InvalidInputError(f"q: {type(q).__name__} (needs an arnorm.QuantizedActivation)")
     fmt = q.format
     default_layout(fmt)  # checks the name
-    if fmt in BLOCK_SIZES and q.layout is None:
-        raise InvalidInputError(f"layout: None (needs linear or swizzled_128x4 for {fmt})")
     spec = FORMAT_SPECS[fmt]
+    if spec.block_size and q.layout is None:
+        raise InvalidInputError(f"layout: None (needs {' or '.join(LAYOUTS)} for {fmt})")
     data_dtype = getattr(torch, spec.data_dtype)
     data = q.data
     if not isinstance(data, torch.Tensor) or data.dtype != data_dtype or data.dim() != 2:

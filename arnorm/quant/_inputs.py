@@ -8,14 +8,9 @@ from __future__ import annotations
 import torch
 
 from arnorm._errors import InvalidInputError
-from arnorm._formats import FORMAT_SPECS, QUANT_FORMATS, round_up
-from arnorm._formats import LAYOUTS as SCALE_LAYOUTS
+from arnorm._formats import DTYPES, FORMAT_SPECS, LAYOUTS, QUANT_FORMATS, round_up
 
 __all__ = [
-    "BLOCK_SIZES",
-    "FORMATS",
-    "INPUT_DTYPES",
-    "LAYOUTS",
     "check_format",
     "check_input",
     "check_scale",
@@ -23,14 +18,9 @@ __all__ = [
     "round_up",
 ]
 
-#: The quantized formats, in the order the docs list them.
-FORMATS: tuple[str, ...] = QUANT_FORMATS
-#: Layouts of the block scales of nvfp4 and mxfp8.
-LAYOUTS: tuple[str, ...] = SCALE_LAYOUTS
-#: Elements per block scale (from the format table); the hidden size must be a multiple of it.
-BLOCK_SIZES: dict[str, int] = {n: s.block_size for n, s in FORMAT_SPECS.items() if s.block_size}
-#: dtypes of the normed input ``y``.
-INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+#: The dtypes of the normed input ``y``: arnorm's activation dtypes.
+_INPUT_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, d) for d in DTYPES)
+_NEEDS_DTYPE = ", ".join(f"torch.{d}" for d in DTYPES[:-1]) + f" or torch.{DTYPES[-1]}"
 
 
 def _fail(argument: str, found: str, needs: str) -> InvalidInputError:
@@ -38,8 +28,8 @@ def _fail(argument: str, found: str, needs: str) -> InvalidInputError:
 
 
 def _check_format_name(format: object) -> str:
-    if not isinstance(format, str) or format not in FORMATS:
-        raise _fail("quant", repr(format), "one of " + ", ".join(FORMATS))
+    if not isinstance(format, str) or format not in FORMAT_SPECS:
+        raise _fail("quant", repr(format), "one of " + ", ".join(QUANT_FORMATS))
     return format
 
 
@@ -55,9 +45,10 @@ def check_format(format: str, layout: str | None, hidden_size: int) -> str | Non
     nvfp4 and mxfp8 take ``"linear"`` or ``"swizzled_128x4"``; ``None`` picks :func:`default_layout`.
     """
     fmt = _check_format_name(format)
-    if fmt in BLOCK_SIZES:
+    spec = FORMAT_SPECS[fmt]
+    if spec.block_size:
         if layout is None:
-            resolved = FORMAT_SPECS[fmt].default_layout
+            resolved = spec.default_layout
         elif isinstance(layout, str) and layout in LAYOUTS:
             resolved = layout
         else:
@@ -68,9 +59,8 @@ def check_format(format: str, layout: str | None, hidden_size: int) -> str | Non
         resolved = None
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
         raise _fail("hidden_size", repr(hidden_size), "a positive int")
-    block = BLOCK_SIZES.get(fmt)
-    if block is not None and hidden_size % block:
-        raise _fail("hidden_size", str(hidden_size), f"a multiple of {block} for {fmt}")
+    if hidden_size % spec.hidden_multiple:
+        raise _fail("hidden_size", str(hidden_size), f"a multiple of {spec.hidden_multiple} for {fmt}")
     return resolved
 
 
@@ -108,8 +98,8 @@ def check_input(y: object) -> torch.Tensor:
     """Check the normed input: a 2-D ``[T, H]`` tensor in bf16, fp16 or fp32."""
     if not isinstance(y, torch.Tensor):
         raise _fail("y", type(y).__name__, "a torch.Tensor")
-    if y.dtype not in INPUT_DTYPES:
-        raise _fail("y", f"dtype {y.dtype}", "torch.bfloat16, torch.float16 or torch.float32")
+    if y.dtype not in _INPUT_DTYPES:
+        raise _fail("y", f"dtype {y.dtype}", _NEEDS_DTYPE)
     if y.dim() != 2:
         raise _fail("y", f"shape {list(y.shape)}", "2-D [T, H]")
     return y

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from typing import Literal
@@ -11,7 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from arnorm import _formats
 from arnorm._problem import Problem
 
-__all__ = ["BATCH_INVARIANCE_REASON", "Capabilities", "check_capabilities", "did_you_mean", "join_or"]
+__all__ = [
+    "BATCH_INVARIANCE_REASON",
+    "Capabilities",
+    "admitted_hidden",
+    "check_capabilities",
+    "did_you_mean",
+    "hidden_multiple",
+    "join_or",
+]
 
 #: Why a backend is rejected for an op built with ``Config(batch_invariant=True)``.
 BATCH_INVARIANCE_REASON = (
@@ -20,9 +29,9 @@ BATCH_INVARIANCE_REASON = (
 )
 
 Platform = Literal["cpu", "cuda", "rocm"]
-Dtype = Literal["bfloat16", "float16", "float32"]
+Dtype = _formats.DtypeName
 #: ``"none"`` (no quantized output) or a format of :mod:`arnorm._formats`.
-QuantName = Literal["none", _formats.QuantName]
+QuantChoice = _formats.QuantChoice
 Layout = _formats.LayoutName
 
 
@@ -36,8 +45,8 @@ class Capabilities(BaseModel):
     - ``world_sizes`` (``None``: any) and ``min_world_size``.
     - ``min_arch`` and ``arch_majors`` (CUDA compute capability; ``None``: any); ``quant_min_arch``
       raises the floor for single formats.
-    - ``hidden_multiple`` for every format, ``quant_hidden_multiple`` per format (a format's block
-      size always applies on top: arnorm rejects such a hidden size before any backend is asked);
+    - ``hidden_multiple`` for every format, ``quant_hidden_multiple`` per format (the format's own
+      multiple, ``FormatSpec.hidden_multiple``, always applies on top: :func:`hidden_multiple`);
       ``min_hidden``, ``max_hidden``.
     - ``weight_offsets`` (``None``: any); ``round_before_weight``: whether the backend serves
       ``RMSNorm(round_before_weight=True)``; ``normalize_unrounded``: whether it serves
@@ -66,17 +75,17 @@ class Capabilities(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     platforms: frozenset[Platform]
-    dtypes: frozenset[Dtype] = frozenset({"bfloat16", "float16", "float32"})
-    quant: frozenset[QuantName] = frozenset({"none"})
-    quant_dtypes: dict[QuantName, frozenset[Dtype]] = Field(default_factory=dict)
+    dtypes: frozenset[Dtype] = frozenset(_formats.DTYPES)
+    quant: frozenset[QuantChoice] = frozenset({_formats.NO_QUANT})
+    quant_dtypes: dict[QuantChoice, frozenset[Dtype]] = Field(default_factory=dict)
     scale_layouts: frozenset[Layout] = frozenset(_formats.LAYOUTS)
     world_sizes: frozenset[int] | None = None
     min_world_size: int = 1
     min_arch: tuple[int, int] | None = None
     arch_majors: frozenset[int] | None = None
-    quant_min_arch: dict[QuantName, tuple[int, int]] = Field(default_factory=dict)
+    quant_min_arch: dict[QuantChoice, tuple[int, int]] = Field(default_factory=dict)
     hidden_multiple: int = Field(default=1, ge=1)
-    quant_hidden_multiple: dict[QuantName, int] = Field(default_factory=dict)
+    quant_hidden_multiple: dict[QuantChoice, int] = Field(default_factory=dict)
     min_hidden: int = 1
     max_hidden: int | None = None
     weight_offsets: frozenset[float] | None = None
@@ -174,12 +183,32 @@ def _arch_reasons(caps: Capabilities, problem: Problem) -> list[str]:
     return reasons
 
 
+def hidden_multiple(caps: Capabilities, quant: str) -> int:
+    """What the hidden size of a ``quant`` problem (``"none"`` or a format) must be a multiple of to
+    be admitted: the backend's declared multiple for the format (or for every format), and the
+    format's own (:attr:`arnorm.plugin.FormatSpec.hidden_multiple`). The one statement of the rule:
+    the static check, the conformance suite and the invariance cases read it."""
+    declared = caps.quant_hidden_multiple.get(quant, caps.hidden_multiple)  # type: ignore[call-overload]
+    spec = _formats.FORMAT_SPECS.get(quant)
+    return math.lcm(declared, spec.hidden_multiple if spec is not None else 1)
+
+
+def admitted_hidden(caps: Capabilities, quant: str, hidden: int) -> int | None:
+    """The smallest hidden size ``>= hidden`` the backend admits for ``quant``
+    (:func:`hidden_multiple`, ``min_hidden``); ``None`` when that is above ``max_hidden``."""
+    h = max(hidden, caps.min_hidden)
+    h += -h % hidden_multiple(caps, quant)
+    return None if caps.max_hidden is not None and h > caps.max_hidden else h
+
+
 def _hidden_reasons(caps: Capabilities, problem: Problem) -> list[str]:
     h, quant = problem.hidden_size, problem.quant_name
     reasons = []
-    multiple = caps.quant_hidden_multiple.get(quant, caps.hidden_multiple)  # type: ignore[call-overload]
+    multiple = hidden_multiple(caps, quant)
     if h % multiple:
-        scope = f" for {quant}" if quant in caps.quant_hidden_multiple else ""
+        scope = (
+            f" for {quant}" if quant in caps.quant_hidden_multiple or multiple != caps.hidden_multiple else ""
+        )
         reasons.append(f"hidden size: {h} (needs a multiple of {multiple}{scope})")
     if h < caps.min_hidden:
         reasons.append(f"hidden size: {h} (needs >= {caps.min_hidden})")

@@ -31,7 +31,9 @@ __all__ = [
     "Case",
     "CaseResult",
     "bad_inputs_then_good",
+    "build",
     "exact_inputs",
+    "input_scale",
     "run_cases",
 ]
 
@@ -117,9 +119,7 @@ def exact_inputs(case: Case, world: int, device: Any) -> tuple[list[Any], Any, A
     partials = [grid(case.tokens, case.hidden) for _ in range(world)]
     residual = grid(case.tokens, case.hidden)
     weight = (torch.randn(case.hidden, generator=g) * 0.2).to(dtype).to(device)
-    sample = FORMAT_SPECS[case.quant].sample_scale if case.quant else None
-    scale = torch.tensor([sample], device=device) if sample is not None else None
-    return partials, residual, weight, scale
+    return partials, residual, weight, input_scale(case, device)
 
 
 def _group() -> Any:
@@ -131,8 +131,19 @@ def _group() -> Any:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else arnorm.LOCAL
 
 
-def build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, CaseResult | None]:
-    """Build the op strictly on ``backend``: ``(op, None)``, or ``(None, result)`` when it could not be."""
+def input_scale(case: Case, device: Any) -> Any:
+    """The fp32 ``[1]`` input scale of ``case``'s format (its sample scale), ``None`` for the others."""
+    import torch
+
+    sample = FORMAT_SPECS[case.quant].sample_scale if case.quant else None
+    return torch.tensor([sample], device=device) if sample is not None else None
+
+
+def build(
+    backend: str, case: Case, device: Any, max_tokens: int, config: Any = None
+) -> tuple[Any, CaseResult | None]:
+    """Build the op of ``case`` strictly on ``backend`` (with ``config``, an ``arnorm.Config``, if
+    given): ``(op, None)``, or ``(None, result)`` when it could not be."""
     import torch
 
     import arnorm
@@ -151,6 +162,7 @@ def build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, 
             add_residual=case.add_residual,
             inplace=case.inplace,
             normed_output=case.normed_output,
+            config=config,
         )
     except arnorm.SelectionError as exc:
         verdict = exc.explanation.verdict(backend) if exc.explanation is not None else None

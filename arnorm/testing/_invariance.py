@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arnorm._formats import FORMAT_SPECS
-from arnorm.testing._cases import SKIP_STATUSES, Case, _device, _group
+from arnorm.testing._cases import Case, _device, build, input_scale
 
 __all__ = ["InvarianceResult", "run_invariance"]
 
@@ -48,9 +48,7 @@ def _inputs(case: Case, pool: int, world: int, device: Any) -> tuple[list[Any], 
     partials = [torch.randn(pool, case.hidden, generator=g).to(dtype).to(device) for _ in range(world)]
     residual = (torch.randn(pool, case.hidden, generator=g) * 2).to(dtype).to(device)
     weight = (1 + torch.randn(case.hidden, generator=g) * 0.2).to(dtype).to(device)
-    sample = FORMAT_SPECS[case.quant].sample_scale if case.quant else None
-    scale = torch.tensor([sample], device=device) if sample is not None else None
-    return partials, residual, weight, scale
+    return partials, residual, weight, input_scale(case, device)
 
 
 def _row_outputs(out: Any, case: Case) -> dict[str, Any]:
@@ -115,37 +113,15 @@ def _compare(alone: dict[str, Any], got: dict[str, Any], rows: list[int], size: 
 
 
 def _build(backend: str, case: Case, device: Any, max_tokens: int) -> tuple[Any, InvarianceResult | None]:
-    import torch
-
+    """The op of ``case`` built by the conformance cases' builder, with ``Config(batch_invariant=True)``."""
     import arnorm
 
-    try:
-        op = arnorm.AllReduceNorm(
-            _group(),
-            hidden_size=case.hidden,
-            dtype=getattr(torch, case.dtype),
-            norm=arnorm.RMSNorm(1e-6, case.weight_offset, case.round_before_weight),
-            quant=case.quant,
-            scale_layout=case.layout,
-            max_tokens=max_tokens,
-            backend=backend,
-            device=device,
-            add_residual=case.add_residual,
-            config=arnorm.Config(batch_invariant=True),
-        )
-    except arnorm.SelectionError as exc:
-        verdict = exc.explanation.verdict(backend) if exc.explanation is not None else None
-        if verdict is None:
-            return None, InvarianceResult(case, "error", error=f"{type(exc).__name__}: {exc}")
-        outcome = "skipped" if verdict.status in SKIP_STATUSES else "error"
-        reasons = verdict.reasons or ("(no reason given)",)
-        error = "" if outcome == "skipped" else f"{verdict.status}: " + "; ".join(reasons)
-        return None, InvarianceResult(case, outcome, status=verdict.status, reasons=reasons, error=error)
-    except Exception:
-        return None, InvarianceResult(
-            case, "error", error=f"building the op raised:\n{traceback.format_exc()}"
-        )
-    return op, None
+    op, failed = build(backend, case, device, max_tokens, config=arnorm.Config(batch_invariant=True))
+    if failed is None:
+        return op, None
+    return None, InvarianceResult(
+        case, failed.outcome, status=failed.status, reasons=failed.reasons, error=failed.error
+    )
 
 
 def invariance_case(backend: str, case: Case, sizes: tuple[int, ...], rank: int, world: int,
@@ -189,29 +165,22 @@ def run_invariance(rank: int, world: int, backend: str, cases: list[Case], sizes
 
 def invariance_cases(caps: Any, hidden: int) -> list[Case]:
     """One case per declared format and layout, for the first declared dtype, at ``hidden`` (raised to
-    the format's multiples); the norms rotate through plain and Gemma, with ``round_before_weight``
-    and ``add_residual=False`` once each where declared."""
-    import math
-
-    from arnorm.plugin import format_spec
+    the hidden size the backend admits for the format); the norms rotate through plain and Gemma,
+    with ``round_before_weight``, ``normalize_unrounded`` and ``add_residual=False`` once each where
+    declared."""
+    from arnorm.registry._capabilities import admitted_hidden
 
     dtype = sorted(caps.dtypes)[0]
-    layouts = {
-        n: (f.default_layout, *(x for x in f.layouts if x != f.default_layout))
-        for n, f in FORMAT_SPECS.items()
-    }
     out: list[Case] = []
     for quant in sorted(caps.quant):
         q = None if quant == "none" else quant
         if quant in caps.quant_dtypes and dtype not in caps.quant_dtypes[quant]:
             continue
-        block = format_spec(q).hidden_multiple if q else 1
-        multiple = math.lcm(caps.quant_hidden_multiple.get(quant, caps.hidden_multiple), block)
-        h = max(hidden, caps.min_hidden)
-        h += -h % multiple
-        if caps.max_hidden is not None and h > caps.max_hidden:
+        h = admitted_hidden(caps, quant, hidden)
+        if h is None:
             continue
-        for layout in layouts.get(quant, (None,)):
+        layouts = FORMAT_SPECS[q].layouts if q else ()
+        for layout in layouts or (None,):
             if layout is not None and layout not in caps.scale_layouts:
                 continue
             i = len(out)
@@ -221,5 +190,7 @@ def invariance_cases(caps: Any, hidden: int) -> list[Case]:
                 case = dataclasses.replace(case, round_before_weight=True)
             if i == 2 and caps.residual_free:
                 case = dataclasses.replace(case, add_residual=False)
+            if i == 3 and caps.normalize_unrounded:
+                case = dataclasses.replace(case, normalize_unrounded=True)
             out.append(case)
     return out

@@ -50,41 +50,28 @@ fails the test within seconds with its traceback.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, ClassVar
 
 import pytest
 
 from arnorm._formats import FORMAT_SPECS
+from arnorm.registry._capabilities import admitted_hidden
 from arnorm.testing._cases import Case, CaseResult, bad_inputs_then_good, run_cases
 from arnorm.testing._invariance import invariance_cases, run_invariance
 from arnorm.testing._ranks import run_ranks
 
 __all__ = ["ConformanceSuite"]
 
-#: Each block format's layouts, its default first.
-LAYOUTS = {
-    name: (spec.default_layout, *(x for x in spec.layouts if x != spec.default_layout))
-    for name, spec in FORMAT_SPECS.items()
-    if spec.block_size
-}
 #: Registry statuses that mean "not usable on this machine" rather than "broken".
 ABSENT = frozenset({"not_installed", "outdated"})
-#: A declared (dtype, format, scale layout, hidden multiple).
-Combo = tuple[str, str | None, str | None, int]
+#: A declared (dtype, format, scale layout).
+Combo = tuple[str, str | None, str | None]
 
 
 def _device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _hidden(h: int, multiple: int, caps: Any) -> int | None:
-    """``h`` raised to ``caps.min_hidden`` and rounded up to ``multiple``; ``None`` above max_hidden."""
-    h = max(h, caps.min_hidden)
-    h += -h % multiple
-    return None if caps.max_hidden is not None and h > caps.max_hidden else h
 
 
 class ConformanceSuite:
@@ -168,8 +155,6 @@ class ConformanceSuite:
         ``add_residual=False`` where the backend declares them. Then a few cases of the op's other
         build options and call layouts (:meth:`_variant_cases`)."""
         caps = cls.spec().capabilities
-        from arnorm.plugin import format_spec
-
         offsets = sorted(caps.weight_offsets) if caps.weight_offsets is not None else [0.0, 1.0]
         out = []
         combos: list[Combo] = []
@@ -178,15 +163,12 @@ class ConformanceSuite:
                 q = None if quant == "none" else quant
                 if quant in caps.quant_dtypes and dtype not in caps.quant_dtypes[quant]:
                     continue
-                block = format_spec(q).hidden_multiple if q else 1
-                multiple = math.lcm(caps.quant_hidden_multiple.get(quant, caps.hidden_multiple), block)
-                layouts = [
-                    lay for lay in LAYOUTS.get(quant, (None,)) if lay is None or lay in caps.scale_layouts
-                ]
+                block_layouts = FORMAT_SPECS[q].layouts if q else ()
+                layouts = [x for x in block_layouts if x in caps.scale_layouts] if block_layouts else [None]
                 for layout in layouts:
-                    combos.append((dtype, q, layout, multiple))
+                    combos.append((dtype, q, layout))
                     for i, (t, h) in enumerate(cls.shapes):
-                        hidden = _hidden(h, multiple, caps)
+                        hidden = admitted_hidden(caps, quant, h)
                         if hidden is None:
                             continue
                         rbw = caps.round_before_weight and i % 3 == 2
@@ -220,8 +202,8 @@ class ConformanceSuite:
         if caps.strided_rows:
             wanted.append((plain, {"strided": True, "tokens": max(tokens, 3)}))
         out = []
-        for (dtype, q, layout, multiple), options in wanted:
-            hidden = _hidden(h, multiple, caps)
+        for (dtype, q, layout), options in wanted:
+            hidden = admitted_hidden(caps, q or "none", h)
             if hidden is not None:
                 case = Case(tokens, hidden, dtype, q, layout, offset)
                 out.append(dataclasses.replace(case, **options))

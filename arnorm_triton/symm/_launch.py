@@ -68,7 +68,7 @@ class SymmLauncher:
         self.eps = float(eps)
         self.weight_offset = float(weight_offset)
         self.spin_limit = spin_limit if spin_limit > 0 else UNBOUNDED_SPINS
-        self.swizzled = layout == "swizzled_128x4" and quant in ("nvfp4", "mxfp8")
+        self.swizzled = K.is_swizzled(quant, layout)
         # The warp count changes the order of the sum of squares: a function of BLOCK alone keeps
         # every rank, and every token count, on the same order.
         self.num_warps = default_num_warps(block)

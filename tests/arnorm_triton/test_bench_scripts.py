@@ -1,6 +1,6 @@
-"""The maintained benchmark's CPU smoke mode: every Python path of bench_public_op.py
-runs (Triton interpreter, tiny shapes, a stand-in FlashInfer), so the scripts cannot rot between
-GPU runs."""
+"""The maintained benchmarks' CPU smoke modes: every Python path of bench_public_op.py and of the
+launch-table tuner (tune_launch_table.py) runs (Triton interpreter, tiny shapes, a stand-in
+FlashInfer), so the scripts cannot rot between GPU runs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from arnorm.plugin import FORMAT_SPECS
 
 pytestmark = pytest.mark.slow
 
@@ -99,3 +101,20 @@ def test_bench_batch_invariant_smoke(tmp_path):
     assert "Smoke run on CPU" in text and "errors:" not in text and "skipped:" not in text, text
     assert "| 256 | none | 3 |" in text and "| 256 | fp8_per_token | 1 |" in text, text
     assert "invariant mode rows not bitwise alone: 0 (needs 0)" in text, text
+
+
+def test_tune_launch_table_smoke(tmp_path):
+    """The tuner of the shipped launch table: --smoke compiles every candidate in worker processes,
+    times them, and writes a launch-table module that imports and has the table's key and row
+    shapes, keyed on the format table's codes; the tree's table is untouched."""
+    before = (REPO / "arnorm_triton" / "_launch_measured.py").read_text()
+    _, out = _run("tune_launch_table.py", tmp_path)
+    assert "Error:" not in (next(out.glob("launch-table-*.md"))).read_text()
+    scope: dict = {}
+    exec((out / "_launch_measured.py").read_text(), scope)
+    for key, rows in scope["MEASURED"].items():
+        assert len(key) == 5 and isinstance(key[3], bool)
+        assert key[2] in {0, *(spec.code for spec in FORMAT_SPECS.values())}
+        assert all(t_max >= 1 and warps >= 1 for t_max, warps in rows)
+        assert [t for t, _ in rows] == sorted(t for t, _ in rows)
+    assert (REPO / "arnorm_triton" / "_launch_measured.py").read_text() == before

@@ -371,3 +371,18 @@ def test_rows_launcher_refuses_what_launch_would_send_the_ordinary_way(monkeypat
         chain.remove(hook)
     assert fake.compiled.calls == 1  # only the validation launch at bind
     assert go(2, *p) and fake.compiled.calls == 2
+
+
+def test_kernel_codes_and_launch_table_keys_are_the_format_tables_codes():
+    """The kernels' QUANT and the tuned tables' keys are ``FormatSpec.code`` (pinned in
+    tests/test_formats.py), never a format's place in the table."""
+    from arnorm.plugin import FORMAT_SPECS
+    from arnorm_triton import _launch_table
+
+    assert {None: 0, **{n: s.code for n, s in FORMAT_SPECS.items()}} == kernels.QUANT_CODES
+    for name in ("fp8_static", "fp8_per_token", "nvfp4", "mxfp8"):
+        assert getattr(kernels, "_" + name.upper()).value == FORMAT_SPECS[name].code
+    known = set(kernels.QUANT_CODES.values())
+    for key in (*_launch_table.TABLE, *_launch_table.TWO_PASS_FROM):
+        assert key[2] in known, key
+    assert {key[2] for key in _launch_table.TWO_PASS_FROM} == {FORMAT_SPECS["nvfp4"].code}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from arnorm.plugin import DTYPES as DTYPE_NAMES
 from arnorm.plugin import Comm, Problem, add_rmsnorm, rank_order_sum
 from arnorm.quant import quantize
 from arnorm.testing import ulps as ulp_distance  # elementwise, as these tests use it
@@ -19,7 +20,7 @@ VARIANTS = [
     ("mxfp8", "linear"),
     ("mxfp8", "swizzled_128x4"),
 ]
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+DTYPES = [getattr(torch, d) for d in DTYPE_NAMES]
 
 
 def variant_id(v: tuple[str | None, str | None]) -> str:

@@ -25,3 +25,27 @@ from arnorm.testing._cases import Case
 def test_case_ids_read_as_words(case, expected):
     """No letter codes (``b1``, ``rbw``, ``nores``): a plugin author reads a failure without the source."""
     assert case.id == expected
+
+
+def test_the_suite_builds_cases_for_every_declared_format_and_layout():
+    """The conformance cases and the invariance cases cover every (format, layout) the backend
+    declares, each at a hidden size the backend admits (the one rule of registry._capabilities)."""
+    from arnorm._formats import FORMAT_SPECS
+    from arnorm.registry._capabilities import hidden_multiple
+    from arnorm.testing import ConformanceSuite
+    from arnorm.testing._invariance import invariance_cases
+
+    class Reference(ConformanceSuite):
+        backend = "reference"
+
+    caps = Reference.spec().capabilities
+    want = {
+        (None if q == "none" else q, layout)
+        for q in caps.quant
+        for layout in (FORMAT_SPECS[q].layouts if q != "none" else ()) or (None,)
+    }
+    assert len(want) == 7
+    for cases in (Reference.cases(), invariance_cases(caps, 100)):
+        assert {(c.quant, c.layout) for c in cases} == want
+        assert all(c.hidden % hidden_multiple(caps, c.quant or "none") == 0 for c in cases)
+    assert any(c.normalize_unrounded for c in invariance_cases(caps, 100))

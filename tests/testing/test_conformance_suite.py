@@ -1,9 +1,8 @@
 """The conformance suite fails what it should fail and skips only what is merely ineligible here.
 
-One pytest subprocess runs the suite against the fixture backends of
-tests/plugins/conformance and the planted backends of testing_rank_fns (``pl_*``, served
-through an entry point written here), each wrong in one known way, found through their entry
-points on PYTHONPATH; the outcome and message of every test are read from its JUnit XML report.
+One pytest subprocess runs the suite against the fixture backends of tests/plugins/conformance
+(``cf_*`` and the planted ``pl_*``), each wrong in one known way, found through their entry point
+on PYTHONPATH; the outcome and message of every test are read from its JUnit XML report.
 """
 
 from __future__ import annotations
@@ -19,17 +18,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 FIXTURES = Path(__file__).resolve().parents[1] / "plugins" / "conformance"
-#: The folder of testing_rank_fns, whose hook declares the planted backends.
-HERE = Path(__file__).resolve().parent
-#: A distribution in installed form whose entry point names testing_rank_fns.
-PLANTED = {
-    "arnorm_conformance_planted-0.1.dist-info/METADATA": (
-        "Metadata-Version: 2.1\nName: arnorm-conformance-planted\nVersion: 0.1\n"
-    ),
-    "arnorm_conformance_planted-0.1.dist-info/entry_points.txt": (
-        "[arnorm.backends]\nconformance_planted = testing_rank_fns\n"
-    ),
-}
 
 SUITES = """
 from arnorm.testing import ConformanceSuite
@@ -164,11 +152,8 @@ def report(tmp_path_factory) -> dict[str, tuple[str, str]]:
     """``{"TestClass.test_name[param]": (outcome, message)}`` from one run of SUITES."""
     root = tmp_path_factory.mktemp("suite")
     (root / "test_fixture_suites.py").write_text(SUITES)
-    for name, text in PLANTED.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARNORM_")}
-    paths = (str(FIXTURES), str(root), str(HERE), env.get("PYTHONPATH", ""))
+    paths = (str(FIXTURES), str(root), env.get("PYTHONPATH", ""))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     xml = root / "report.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root)]

@@ -22,7 +22,6 @@ def arnorm_backends():
             priority=10,
             capabilities=Capabilities(
                 platforms=frozenset({"cpu", "cuda"}),
-                dtypes=frozenset({"bfloat16", "float16", "float32"}),
                 quant=frozenset({"none", "fp8_static", "fp8_per_token"}),
                 round_before_weight=True,
             ),

@@ -1,4 +1,5 @@
-"""Fixture backends: one correct, the others wrong in exactly one way each."""
+"""Fixture backends: one correct (:class:`Good`, the one minimal test backend the conformance
+fixtures build on), the others wrong in exactly one way each (more in :mod:`.planted`)."""
 
 from __future__ import annotations
 
@@ -24,20 +25,20 @@ class Good:
     def check_tokens(self, num_tokens):
         return ()
 
-    def residual_and_normed(self, hidden_states, residual, weight):
+    def compute(self, hidden_states, residual, weight):
         p = self.problem
         reduced = self.comm.all_reduce_(hidden_states.float()).to(hidden_states.dtype)
         return add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
 
     def __call__(self, hidden_states, residual, weight, scale):
         p = self.problem
-        h, y = self.residual_and_normed(hidden_states, residual, weight)
-        q = quantize_output(self.quant_input(y), p.quant, scale, p.scale_layout)
+        h, y = self.compute(hidden_states, residual, weight)
+        q = quantize_output(self.quant_input(h, y), p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)
         return Output(y if p.normed_output else None, h, q)
 
-    def quant_input(self, y):
+    def quant_input(self, h, y):
         return y
 
     def close(self):
@@ -49,7 +50,7 @@ class Unrounded(Good):
 
     name = "cf_unrounded"
 
-    def residual_and_normed(self, hidden_states, residual, weight):
+    def compute(self, hidden_states, residual, weight):
         p = self.problem
         summed = self.comm.all_reduce_(hidden_states.float())
         h = (summed + residual.float()).to(hidden_states.dtype)
@@ -63,8 +64,8 @@ class Scaled(Good):
 
     name = "cf_scaled"
 
-    def residual_and_normed(self, hidden_states, residual, weight):
-        h, y = super().residual_and_normed(hidden_states, residual, weight)
+    def compute(self, hidden_states, residual, weight):
+        h, y = super().compute(hidden_states, residual, weight)
         return h, (y.float() * 1.03125).to(y.dtype)
 
 
@@ -73,7 +74,7 @@ class QuantOff(Good):
 
     name = "cf_quant_off"
 
-    def quant_input(self, y):
+    def quant_input(self, h, y):
         return (y.float() * 1.0625).to(y.dtype)
 
 

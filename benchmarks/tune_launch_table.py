@@ -9,11 +9,13 @@ runs, with programmatic dependent launch where the backend would use it; median 
 noise does not move the table. Every candidate is compiled first in parallel worker processes
 (Triton's disk cache then serves the timing process). Outputs, under ``--out``:
 ``launch-table-<date>.md`` (every timing, the choice per bucket) and ``_launch_measured.py``;
-``--write-table`` also replaces ``arnorm_triton/_launch_measured.py`` in this tree. The public op is
-benchmarked by ``bench_public_op.py`` (which supersedes this script's former field comparison).
+``--write-table`` also replaces ``arnorm_triton/_launch_measured.py`` in this tree, which is then
+committed (docs/performance.md, "The launch table"). The public op is benchmarked by
+``bench_public_op.py``, whose device helpers this script shares (it runs from ``benchmarks/``,
+beside it).
 
-    python lab/bench_norm_quant.py --write-table      # on the GPU host, repository root
-    python lab/bench_norm_quant.py --smoke --out /tmp/x  # CPU, interpreter, no claims
+    python benchmarks/tune_launch_table.py --write-table      # on the GPU host, repository root
+    python benchmarks/tune_launch_table.py --smoke --out /tmp/x  # CPU, interpreter, no claims
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+# Run as a script, this file's folder (benchmarks/) is first on sys.path.
 from bench_public_op import COPY_BYTES, FORMATS, CpuDevice, CudaDevice, bytes_moved, copy_bandwidth
 
 START = time.monotonic()
@@ -61,8 +63,10 @@ class KernelRun:
     def __init__(self, device: Any, t: int, h: int, fmt: str, normed: bool, warps: int) -> None:
         import torch
 
+        from arnorm.plugin import FORMAT_SPECS
         from arnorm_triton._kernels import INTERPRETED
         from arnorm_triton._launch import FusedLauncher, LaunchConfig
+        from arnorm_triton._outputs import OutputPlan
 
         cuda = device.type == "cuda"
         arch = tuple(torch.cuda.get_device_capability(device)) if cuda else None
@@ -83,18 +87,11 @@ class KernelRun:
         self.x = torch.randn((t, h), generator=g, device=device).to(bf16)
         self.r = torch.randn((t, h), generator=g, device=device).to(bf16)
         self.w = (torch.randn((h,), generator=g, device=device) * 0.1 + 1.0).to(bf16)
-        scales = {"fp8_static": 0.02, "nvfp4": 448.0 * 6.0 / 8.0}
-        self.scale = torch.tensor([scales[fmt]], device=device) if fmt in scales else None
-        self.y = torch.empty_like(self.x) if normed else None
-        self.q = self.sf = None
-        if quant is not None:
-            self.q = torch.empty((t, h // 2 if quant == "nvfp4" else h), dtype=torch.uint8, device=device)
-        if quant == "fp8_per_token":
-            self.sf = torch.empty((t, 1), dtype=torch.float32, device=device)
-        elif quant in ("nvfp4", "mxfp8"):
-            k = h // (16 if quant == "nvfp4" else 32)
-            shape = ((t + 127) // 128 * 128, (k + 3) // 4 * 4) if self.launcher.swizzled else (t, k)
-            self.sf = torch.empty(shape, dtype=torch.uint8, device=device)
+        sample = FORMAT_SPECS[quant].sample_scale if quant is not None else None
+        self.scale = torch.tensor([sample], device=device) if sample is not None else None
+        # The op's own outputs, shaped and typed by the format table.
+        plan = OutputPlan(hidden=h, dtype=bf16, quant=quant, layout=layout, normed=normed, device=device)
+        self.y, self.q, self.sf = plan.alloc(t)
         h_sep = torch.empty_like(self.x)  # binding validates with x and h apart
         tensors = (self.x, self.r, self.w, self.scale, h_sep, self.y, self.q, self.sf)
         outputs = [o for o in (h_sep, self.y, self.q, self.sf) if o is not None]
@@ -189,9 +186,10 @@ def tune(args: argparse.Namespace, dev: Any, bw: float) -> tuple[dict, list[dict
 def table_module(table: dict, header: str) -> str:
     return (
         '"""Measured launch table rows (see :mod:`arnorm_triton._launch_table`); generated, do not edit.\n\n'
-        f"{header}\nRegenerate on the GPU with ``python lab/bench_norm_quant.py --write-table`` (run\n"
-        'by ``lab/gpu_kernel_round.sh``), then commit this file.\n"""\n\n'
-        "#: (cuda major, BLOCK, QUANT code, WRITE_NORMED, itemsize) -> ((t_max, num_warps), ...)\n"
+        f"{header}\nRegenerate on the GPU with ``python benchmarks/tune_launch_table.py --write-table``\n"
+        '(docs/performance.md, "The launch table"), then commit this file.\n"""\n\n'
+        "#: (cuda major, BLOCK, QUANT code, WRITE_NORMED, itemsize) -> ((t_max, num_warps), ...); the QUANT\n"
+        "#: code is the format's FormatSpec.code (fixed for good, arnorm/_formats.py).\n"
         "MEASURED: dict[tuple[int, int, int, bool, int], tuple[tuple[int, int], ...]] = {\n"
         + "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(table.items()))
         + "}\n"
@@ -218,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     if not args.smoke and not torch.cuda.is_available():
-        sys.exit("bench_norm_quant: needs a CUDA GPU (or --smoke)")
+        sys.exit("tune_launch_table: needs a CUDA GPU (or --smoke)")
     dev: Any = CpuDevice() if args.smoke else CudaDevice()
     bw = max(copy_bandwidth(dev, 1 << 16 if args.smoke else COPY_BYTES).values(), default=0.0)
     specs = []
