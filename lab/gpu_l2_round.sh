@@ -5,8 +5,8 @@
 #
 # TP 1, T 1024, H 8192, no quantization, normed output: arnorm 20.1 us against FlashInfer's 17.0
 # on an H100 (2026-12-06). The suspected cause is the L2, not the kernel's shape: the bench replays
-# one set of buffers, and arnorm's call touches 48 MB there (x, the residual, the normed output)
-# where FlashInfer's in-place call touches 32 MB, against a 50 MB L2 (lab/l2_variants.py).
+# one set of buffers, and arnorm's call touches 48 MiB there (x, the residual, the normed output)
+# where FlashInfer's in-place call touches 32 MiB, against a 50 MiB L2 (lab/l2_variants.py).
 #
 # 1. the public op's bench (focused: H 8192/4096, T 128-8192, none and fp8_static, FlashInfer
 #    beside it) on this tree ("before") and on this tree with the candidate kernel ("after":

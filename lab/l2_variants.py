@@ -2,8 +2,8 @@
 
 At TP 1, T 1024, H 8192, bf16, normed output, the bench's graph replay reuses one set of buffers:
 arnorm's call touches x (the new residual is written over it), the residual and the normed output
-(3 x 16 MB), FlashInfer's in-place kernel only x and the residual (2 x 16 MB), against an L2 of
-50 MB. The variants test whether keeping the normed output's stores from evicting the rows the next
+(3 x 16 MiB), FlashInfer's in-place kernel only x and the residual (2 x 16 MiB), against an L2
+of 50 MiB. The variants test whether keeping the normed output's stores from evicting the rows the next
 call reads closes the gap (lab/gpu_l2_round.sh times them with lab_kernel_variants.py and the
 public op's bench). Only hints change: every variant writes the same bytes (the lab checks).
 

@@ -58,8 +58,8 @@ CELLS = {
     ],
     "nvfp4_large": [(h, "nvfp4", n, 8192) for h in (4096, 8192) for n in (False, True)],
     "smoke": [(64, "fp8_static", False, 3), (64, "nvfp4", True, 5)],
-    # Issue 43: where x, the residual and the normed output (3 T H bf16) stop fitting the 50 MB L2
-    # while FlashInfer's two in-place buffers (2 T H) still do: T H = 8M is 48 MB against 32.
+    # Issue 43: where x, the residual and the normed output (3 T H bf16) stop fitting the 50 MiB L2
+    # while FlashInfer's two in-place buffers (2 T H) still do: T H = 8M is 48 MiB against 32.
     "l2": [
         *[(8192, "none", True, t) for t in (128, 512, 1024, 2048, 8192)],
         *[(4096, "none", True, t) for t in (1024, 2048, 8192)],
