@@ -58,6 +58,17 @@ CELLS = {
     ],
     "nvfp4_large": [(h, "nvfp4", n, 8192) for h in (4096, 8192) for n in (False, True)],
     "smoke": [(64, "fp8_static", False, 3), (64, "nvfp4", True, 5)],
+    # Issue 43: where x, the residual and the normed output (3 T H bf16) stop fitting the 50 MiB L2
+    # while FlashInfer's two in-place buffers (2 T H) still do: T H = 8M is 48 MiB against 32.
+    "l2": [
+        *[(8192, "none", True, t) for t in (128, 512, 1024, 2048, 8192)],
+        *[(4096, "none", True, t) for t in (1024, 2048, 8192)],
+        (8192, "fp8_static", False, 1024),
+        (8192, "fp8_static", True, 1024),
+        (4096, "fp8_static", False, 2048),
+        (8192, "fp8_static", False, 8192),
+    ],
+    "l2w": [(8192, "none", True, 1024), (8192, "none", True, 2048), (4096, "none", True, 2048)],
 }
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
+
 _BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 _spec = importlib.util.spec_from_file_location("bench_public_op", _BENCH / "bench_public_op.py")
 assert _spec is not None and _spec.loader is not None
@@ -49,3 +51,32 @@ def test_eager_verdicts_compare_like_for_like():
     assert verdicts[("none", "arnorm.AllReduceNorm out= (triton)")] == "1.19x fi met"
     assert "out= row is like for like" in verdicts[("none", "arnorm.AllReduceNorm (triton)")]
     assert verdicts[("none", "flashinfer (output preallocated)")] == ""
+
+
+def test_focused_run_splits_tokens_and_checks_formats():
+    """--tokens splits at 128 into the decode and the large group; an unknown format is rejected."""
+    args = bench.parse_args(
+        ["--no-eager", "--hidden", "8192", "--tokens", "128,1024,2048", "--formats", "none"]
+    )
+    assert (args.small_tokens, args.large_tokens, args.hidden, args.formats) == (
+        [128],
+        [1024, 2048],
+        [8192],
+        ["none"],
+    )
+    assert args.no_eager
+    default = bench.parse_args([])
+    assert (default.small_tokens, default.large_tokens) == ([1, 16, 128], [1024, 8192])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--formats", "none,fp4"])
+
+
+def test_graph_verdict_compares_with_flashinfer_at_every_t():
+    """Graph rows at T 1024 get a FlashInfer ratio (issue 43), judged against 1.0x."""
+    key = {"T": 1024, "H": 8192, "format": "none", "normed": True, "bytes": 64 << 20}
+    graph = [
+        key | {"impl": "arnorm (triton)", "us": 20.1},
+        key | {"impl": "fi_fused_add_rmsnorm", "us": 17.0},
+    ]
+    bench.judge({"eager": [], "graph": graph}, 3.0e12)
+    assert graph[0]["verdict"] == "1.18x fi MISSED (target <= 1.0x)"
