@@ -443,6 +443,18 @@ class AllReduceNorm:
                 )
         self._comm.close()  # after the backends: a plugin's close() may still read its Comm
 
+    # -- no copies ---------------------------------------------------------------------------
+
+    def _not_copyable(self, *args: object) -> Any:
+        # A copy would share the dispatch tables, the group claim and the communicator, so closing
+        # it would break the original; a pickle would need a live process group on the other side.
+        raise TypeError(
+            "op: an AllReduceNorm cannot be copied or pickled (needs a new arnorm.AllReduceNorm, built "
+            "collectively on every rank; deepcopy or pickle the model before attaching the op)"
+        )
+
+    __copy__ = __deepcopy__ = __reduce_ex__ = __reduce__ = __getstate__ = _not_copyable
+
     def __enter__(self) -> AllReduceNorm:
         return self
 
