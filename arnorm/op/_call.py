@@ -192,12 +192,13 @@ def call(
         checked = out is None
         if ok and not checked:
             # OutTrust.check's trusted case inline (every out= call pays it): each destination kept
-            # its data pointer and shares no byte with an input; else the full check, which raises.
+            # its data pointer and shape and shares no byte with an input; else the full check,
+            # which raises.
             spans = self._out_spans.get(id(out))
             if spans is not None and spans[0] == t:
                 he, re_, we, se = hp + hn, rp + rn, wp + row_bytes, sp + 4 if scale is not None else 0
-                for d, a, b in spans[1]:
-                    if d.data_ptr() != a or (
+                for d, a, b, shape in spans[1]:
+                    if d.data_ptr() != a or d.shape != shape or (
                         (a < he and hp < b) or (a < re_ and rp < b) or (a < we and wp < b)
                         or (a < se and sp < b)
                     ):  # fmt: skip
