@@ -21,7 +21,7 @@ from typing import Any
 import pluggy
 
 from arnorm._errors import ArnormWarning
-from arnorm.registry._failure import plugin_failure
+from arnorm.registry._failure import plugin_failure, printable
 from arnorm.registry._imports import discovery_timeout, import_bounded, timed_out
 from arnorm.registry._spec import BUILTIN_NAMES, PROJECT, BackendHookSpecs, BackendSpec, priority_order
 
@@ -125,7 +125,8 @@ def _taken_entry_point(pm: pluggy.PluginManager, plugin: str, dist: str | None) 
 
 def _distribution(ep: Any) -> str | None:
     dist = getattr(ep, "dist", None)
-    return getattr(dist, "name", None) if dist is not None else None
+    name = getattr(dist, "name", None) if dist is not None else None
+    return printable(name) if isinstance(name, str) else None
 
 
 class Registry:
@@ -151,7 +152,8 @@ class Registry:
         ordered = sorted(eps, key=lambda e: (_distribution(e) != CORE_DISTRIBUTION, e.name))
         timeout = discovery_timeout()
         for ep in ordered:
-            plugin, dist = ep.name, _distribution(ep)
+            # Printed by `arnorm backends`, in warnings and in every explanation: escaped.
+            plugin, dist = printable(ep.name), _distribution(ep)
             taken = _taken_entry_point(pm, plugin, dist)
             if taken:
                 registry._put(_broken(registry.free_name(plugin, dist), plugin, taken))
