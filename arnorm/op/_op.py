@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -164,6 +165,7 @@ class AllReduceNorm:
         self._poisoned: str | None = None
         self._group_name = ""
         self._owner = 0
+        self._release_keys: weakref.finalize[Any, Any] | None = None
         if not _building.acquire(blocking=False):
             msg = (
                 "AllReduceNorm: built from two threads at once "
@@ -318,6 +320,9 @@ class AllReduceNorm:
         track(self)
         if comm.channel is not None:
             comm.channel.phase = "calling"
+            # Closed or dropped, the op's store keys go once every rank is done with them.
+            self._release_keys = weakref.finalize(self, comm.channel.release)
+            self._release_keys.atexit = False  # at exit the store may be gone: nothing to tidy
         self._closed = False
 
     def _abandon(self, exc: BaseException) -> None:
@@ -441,6 +446,8 @@ class AllReduceNorm:
                 warnings.warn(
                     f"arnorm: {type(impl).__name__}.close() raised {plugin_failure(exc)}", ArnormWarning, 2
                 )
+        if self._release_keys is not None:
+            self._release_keys()
         self._comm.close()  # after the backends: a plugin's close() may still read its Comm
 
     # -- no copies ---------------------------------------------------------------------------

@@ -128,6 +128,21 @@ class Channel:
         self.store.set(self._key(0, self.rank), payload)
         return True
 
+    def release(self) -> None:
+        """This rank is done with the op (closed or dropped). The last rank to say so deletes the
+        op's keys: every rank has then read all it will read (without this, 4 keys per op stayed in
+        the store for the job's life)."""
+        store = self.store
+        with contextlib.suppress(Exception):  # a store that is gone, or cannot count or delete
+            if store.add(f"{self.prefix}/closed", 1) < self.world:
+                return
+            keys = [self._key(self.step - 1, r) for r in range(self.world)] if self.step else []
+            # The op's gloo communicator's rendezvous (Comm.open_data), and notes of a failed op.
+            keys += [f"{self.prefix}/data/0/{r}" for r in range(self.world)]
+            keys += [f"{self.prefix}/abandon/{r}" for r in range(self.world)]
+            for key in [*keys, f"{self.prefix}/closed"]:
+                store.delete_key(key)
+
     # -- notes --------------------------------------------------------------------------------
 
     def abandon(self, reason: str) -> None:

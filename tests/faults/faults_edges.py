@@ -9,6 +9,9 @@ from __future__ import annotations
 import time
 
 import faults_fixtures as ff
+import torch.distributed as dist
+
+import arnorm
 
 
 def attempt(fn):
@@ -26,3 +29,26 @@ def build_twice(rank: int, world: int):
         t0 = time.monotonic()
         got.append((attempt(lambda: ff.build().close()), time.monotonic() - t0))
     return got
+
+
+def store_keys_over_ops(rank: int, world: int, ops: int, check_every: int):
+    """The default store's key count after a warm-up op, and after ``ops`` more ops built on WORLD
+    (half closed, half dropped without ``close()``; every ``check_every``-th one called once with
+    ARNORM_CHECK_CALLS on), with every call's outcome."""
+    ff.aligned()
+    store = dist.distributed_c10d._get_default_store()
+    checked = ff.build(config=arnorm.Config(check_calls=True))
+    outcomes = {ff.one_call(checked, rank, world, 0)}
+    checked.close()
+    dist.barrier()
+    before = store.num_keys()
+    for i in range(ops):
+        op = ff.build()
+        if i % check_every == 0:
+            outcomes.add(ff.one_call(op, rank, world, i))
+        if i % 2:
+            op.close()
+        del op
+    dist.barrier()
+    after = store.num_keys()
+    return [sorted(outcomes), before, after]
