@@ -333,7 +333,9 @@ class AllReduceNorm:
         channel = getattr(comm, "channel", None)
         if channel is not None:
             what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            channel.abandon(f"peers: rank {channel.rank} abandoned building {channel.describe()}: {what}")
+            channel.abandon(
+                f"peers: {channel.who([channel.rank])} abandoned building {channel.describe()}: {what}"
+            )
         if comm is not None:
             comm.close()  # the exception's traceback holds this half-built op: hold no group
 

@@ -68,6 +68,11 @@ class Channel:
     def describe(self) -> str:
         return f"op #{self.build} on group {list(self.ranks)}"
 
+    def who(self, positions: list[int]) -> str:
+        """Ranks named as the group lists them (global ranks), each with its position in the group
+        in brackets where the two differ: ``[1]`` on group [1, 2] -> ``"rank 2 [group rank 1]"``."""
+        return ranks_text(positions, self.ranks)
+
     # -- gather -------------------------------------------------------------------------------
 
     def gather(self, obj: object) -> list[Any]:
@@ -122,7 +127,7 @@ class Channel:
         later = max(self.where(r) for r in missing)
         if later <= self.build:
             return False
-        self.abandon(f"peers: rank {self.rank} moved on to op #{later} on group {list(self.ranks)}")
+        self.abandon(f"peers: {self.who([self.rank])} moved on to op #{later} on group {list(self.ranks)}")
         self.build = _BUILDS[self.ranks] = later
         self.store.set(f"{self.group}/at/{self.rank}", str(later))
         self.store.set(self._key(0, self.rank), payload)
@@ -191,17 +196,26 @@ class Channel:
             return 0
 
     def timeout_error(self, missing: list[int], what: str) -> PeerError:
-        seen = "; ".join(f"rank {r} last began building op #{self.where(r)} on this group" for r in missing)
+        seen = "; ".join(
+            f"{self.who([r])} last began building op #{self.where(r)} on this group" for r in missing
+        )
         return PeerError(
-            f"peers: {ranks_text(missing)} did not reach {what} {self.describe()} within {self.timeout:g} s "
+            f"peers: {self.who(missing)} did not reach {what} {self.describe()} within {self.timeout:g} s "
             f"(peer_timeout / ARNORM_PEER_TIMEOUT) ({seen}; this rank is at op #{self.build}) "
             f"(needs every rank of the group to build and call the same ops in the same order: {_WHY})"
         )
 
 
-def ranks_text(ranks: list[int]) -> str:
-    """``[1]`` -> ``"rank 1"``; ``[1, 3]`` -> ``"ranks 1, 3"``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+def ranks_text(ranks: list[int], group: tuple[int, ...] | None = None) -> str:
+    """``[1]`` -> ``"rank 1"``; ``[1, 3]`` -> ``"ranks 1, 3"``. With ``group`` (its global ranks),
+    ``ranks`` are positions in it, named by global rank: ``[1], (1, 2)`` -> ``"rank 2 [group rank 1]"``."""
+
+    def one(r: int) -> str:
+        if group is None or group[r] == r:
+            return str(r)
+        return f"{group[r]} [group rank {r}]"
+
+    return f"rank {one(ranks[0])}" if len(ranks) == 1 else "ranks " + ", ".join(map(one, ranks))
 
 
 def open_agreement(comm: Any, config: Any) -> None:

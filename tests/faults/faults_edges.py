@@ -52,3 +52,27 @@ def store_keys_over_ops(rank: int, world: int, ops: int, check_every: int):
     dist.barrier()
     after = store.num_keys()
     return [sorted(outcomes), before, after]
+
+
+def stall_on_subgroup(rank: int, world: int, where: str):
+    """On a subgroup of global ranks [1, 2], global rank 2 (group rank 1) stalls before building
+    (``where="construction"``) or before its second call (``"call"``); global rank 1 waits for it."""
+    ff.aligned()
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    if where == "construction":
+        if rank == 2:
+            ff.stall(10.0)
+            return None
+        got = attempt(lambda: ff.build(group=group).close())
+        ff.done()
+        return got
+    op = ff.build(group=group)
+    first = ff.one_call(op, rank - 1, 2, 1)
+    if rank == 2:
+        ff.stall(10.0)
+        return first
+    second = ff.one_call(op, rank - 1, 2, 2)
+    ff.done()
+    return second

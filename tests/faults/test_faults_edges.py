@@ -20,3 +20,20 @@ def test_the_store_keeps_no_keys_of_ops_every_rank_closed_or_dropped():
     for outcomes, before, after in results:
         assert outcomes == [("ok", True)], outcomes
         assert after <= before + 2, (before, after)
+
+
+@pytest.mark.parametrize(
+    ("where", "what"),
+    [
+        ("construction", "did not reach building op #1 on group [1, 2]"),
+        ("call", "did not join call 2 of op #1"),
+    ],
+)
+def test_a_timeout_on_a_subgroup_names_the_late_rank_by_its_global_rank(where, what):
+    """Global rank 2 is late on the subgroup [1, 2]: the error names rank 2 (group rank 1), not
+    "rank 1", which reads as the rank that raised."""
+    results = run_ranks(3, fe.stall_on_subgroup, where, env=ENV, timeout=60)
+    kind, name, message = results[1]
+    assert (kind, name) == ("error", "PeerError"), results[1]
+    assert f"peers: rank 2 [group rank 1] {what}" in message, message
+    assert "rank 1 " not in message.replace("[group rank 1]", ""), message
