@@ -22,7 +22,7 @@ import pickle
 import time
 from typing import Any
 
-from arnorm._errors import PeerError
+from arnorm._errors import PeerError, StoreLostError
 
 __all__ = ["Channel", "open_agreement", "ranks_text"]
 
@@ -59,7 +59,12 @@ class Channel:
         #: What the op is doing, for messages: "building" until construction ends, then "calling".
         self.phase = "building"
         self._own: str | None = None  # this rank's key of the previous gather, deleted after the next
-        self.store.set(f"{self.group}/at/{rank}", str(self.build))
+        #: Set when the store stopped answering: nothing is asked of it afterwards.
+        self.lost = False
+        try:
+            self.store.set(f"{self.group}/at/{rank}", str(self.build))
+        except Exception as exc:
+            raise self.store_lost(exc) from None
 
     @property
     def prefix(self) -> str:
@@ -82,9 +87,12 @@ class Channel:
         self.step += 1
         store = self.store
         payload = pickle.dumps(obj)
-        store.set(self._key(step, self.rank), payload)
-        self._wait(step, self.phase, payload)
-        got = [pickle.loads(store.get(self._key(step, r))) for r in range(self.world)]
+        try:
+            store.set(self._key(step, self.rank), payload)
+            self._wait(step, self.phase, payload)
+            got = [pickle.loads(store.get(self._key(step, r))) for r in range(self.world)]
+        except Exception as exc:
+            raise self.store_lost(exc) from None
         if self._own is not None:
             # Every peer has read it: they wrote this step's key only after reading the previous one.
             with contextlib.suppress(Exception):  # a store without deletion only grows
@@ -138,6 +146,8 @@ class Channel:
         op's keys: every rank has then read all it will read (without this, 4 keys per op stayed in
         the store for the job's life)."""
         store = self.store
+        if self.lost:
+            return
         with contextlib.suppress(Exception):  # a store that is gone, or cannot count or delete
             if store.add(f"{self.prefix}/closed", 1) < self.world:
                 return
@@ -147,6 +157,19 @@ class Channel:
             keys += [f"{self.prefix}/abandon/{r}" for r in range(self.world)]
             for key in [*keys, f"{self.prefix}/closed"]:
                 store.delete_key(key)
+
+    def store_lost(self, exc: Exception) -> Exception:
+        """``exc`` as :class:`StoreLostError` when it says the store's connection is gone (its host
+        died: torch raises ``DistNetworkError``, "Broken pipe"), else ``exc`` itself."""
+        if type(exc).__name__ != "DistNetworkError":
+            return exc
+        self.lost = True
+        return StoreLostError(
+            f"store: gone while {self.phase} {self.describe()} ({type(exc).__name__}: {str(exc)[:200]}) "
+            "(needs a live c10d store: its host, rank 0 of the job unless the engine passed a store of "
+            "its own, died or closed it, and no op can be built or checked on a group over it; restart "
+            "the job, or destroy_process_group() and init_process_group() on every rank)"
+        )
 
     # -- notes --------------------------------------------------------------------------------
 

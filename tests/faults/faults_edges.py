@@ -76,3 +76,51 @@ def stall_on_subgroup(rank: int, world: int, where: str):
     second = ff.one_call(op, rank - 1, 2, 2)
     ff.done()
     return second
+
+
+def _host_store(queue) -> None:
+    """A process hosting a c10d store, standing in for the rank that hosts it (rank 0 of a job)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    queue.put(store.port)
+    time.sleep(600)
+
+
+def store_host_dies(rank: int, world: int, check_calls: bool):
+    """Every rank re-initializes its default group over a store that a helper process of rank 0
+    hosts, builds an op and calls it; then the helper is killed (the store's host died), and each
+    rank calls the op again and builds another: what each did, with how long it took."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    ff.aligned()
+    parent = dist.distributed_c10d._get_default_store()
+    host = None
+    if rank == 0:
+        ctx = mp.get_context("spawn")
+        queue = ctx.SimpleQueue()
+        host = ctx.Process(target=_host_store, args=(queue,), daemon=True)
+        host.start()
+        parent.set("edges/port", str(queue.get()))
+    port = int(parent.get("edges/port"))
+    wait = timedelta(seconds=20)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
+    op = ff.build(config=arnorm.Config(check_calls=check_calls))
+    got = [ff.one_call(op, rank, world, 1)]
+    parent.add("edges/built", 1)
+    while int(parent.add("edges/built", 0)) < world:
+        time.sleep(0.05)
+    if host is not None:
+        host.kill()
+        host.join()
+        parent.set("edges/gone", "1")
+    parent.wait(["edges/gone"])
+    for step in (lambda: ff.one_call(op, rank, world, 2), lambda: ff.build().close()):
+        t0 = time.monotonic()
+        outcome = attempt(step)
+        if outcome[0] == "ok" and isinstance(outcome[1], tuple):
+            outcome = outcome[1]
+        got.append((outcome, time.monotonic() - t0))
+    op.close()
+    return got

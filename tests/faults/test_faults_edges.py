@@ -37,3 +37,25 @@ def test_a_timeout_on_a_subgroup_names_the_late_rank_by_its_global_rank(where, w
     assert (kind, name) == ("error", "PeerError"), results[1]
     assert f"peers: rank 2 [group rank 1] {what}" in message, message
     assert "rank 1 " not in message.replace("[group rank 1]", ""), message
+
+
+@pytest.mark.parametrize("check_calls", [False, True], ids=["default", "check-calls"])
+def test_a_store_whose_host_died_is_a_clear_error_on_every_rank(check_calls):
+    """The store's host dies: building (and calling in check mode) used to raise a raw
+    DistNetworkError: Broken pipe. Now StoreLostError (a PeerError) says so and what to do, at
+    once; a call outside check mode does not use the store and still works."""
+    import arnorm
+
+    results = run_ranks(2, fe.store_host_dies, check_calls, env=ENV, timeout=90)
+    for first, (call, call_s), (build, build_s) in results:
+        assert first == ("ok", True)
+        if check_calls:
+            assert call[:2] == ("error", "StoreLostError"), call
+            assert call[2].startswith("store: gone while calling op #1 on group [0, 1] (DistNetworkError: ")
+        else:
+            assert call == ("ok", True), call
+        assert build[:2] == ("error", "StoreLostError"), build
+        assert build[2].startswith("store: gone while building op #2 on group [0, 1] (DistNetworkError: ")
+        assert "(needs a live c10d store: " in build[2] and "restart the job" in build[2], build
+        assert call_s < 2.5 and build_s < 2.5  # at once, not at the peer timeout
+    assert issubclass(arnorm.StoreLostError, arnorm.PeerError)
