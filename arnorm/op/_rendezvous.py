@@ -61,6 +61,8 @@ class Channel:
         self._own: str | None = None  # this rank's key of the previous gather, deleted after the next
         #: Set when the store stopped answering: nothing is asked of it afterwards.
         self.lost = False
+        #: Gathers this rank completed on this build (told to the peers when it abandons the op).
+        self.passed = 0
         try:
             self.store.set(f"{self.group}/at/{rank}", str(self.build))
         except Exception as exc:
@@ -98,6 +100,7 @@ class Channel:
             with contextlib.suppress(Exception):  # a store without deletion only grows
                 store.delete_key(self._own)
         self._own = self._key(step, self.rank)
+        self.passed = step + 1
         return got
 
     def _key(self, step: int, rank: int) -> str:
@@ -132,9 +135,15 @@ class Channel:
     def _join_later_build(self, missing: list[int], payload: bytes) -> bool:
         """A peer already building a later op on this group: this rank's count fell behind (a
         construction that failed on some ranks only). Leave this build number and join that one."""
-        later = max(self.where(r) for r in missing)
-        if later <= self.build:
+        ahead = [r for r in missing if self.where(r) > self.build]
+        if not ahead:
             return False
+        # A peer that completed this first gather, with this rank's key, and then left (the error
+        # every rank raises) is no drift: it began its next op before this rank looked. Its key
+        # here is no leftover, and this rank completes the gather with it.
+        if all(self.passed_by(r) > 0 for r in ahead):
+            return False
+        later = max(self.where(r) for r in ahead)
         self.abandon(f"peers: {self.who([self.rank])} moved on to op #{later} on group {list(self.ranks)}")
         self.build = _BUILDS[self.ranks] = later
         self.store.set(f"{self.group}/at/{self.rank}", str(later))
@@ -154,7 +163,7 @@ class Channel:
             keys = [self._key(self.step - 1, r) for r in range(self.world)] if self.step else []
             # The op's gloo communicator's rendezvous (Comm.open_data), and notes of a failed op.
             keys += [f"{self.prefix}/data/0/{r}" for r in range(self.world)]
-            keys += [f"{self.prefix}/abandon/{r}" for r in range(self.world)]
+            keys += [f"{self.prefix}/{note}/{r}" for note in ("abandon", "passed") for r in range(self.world)]
             for key in [*keys, f"{self.prefix}/closed"]:
                 store.delete_key(key)
 
@@ -177,7 +186,17 @@ class Channel:
         """Tell the peers this rank left the op (its construction failed, or the op was poisoned)."""
         # The store itself may be gone: the peers' waits then end at their timeout.
         with contextlib.suppress(Exception):
+            # Before the note: a peer that sees this rank at a later op reads both.
+            self.store.set(f"{self.prefix}/passed/{self.rank}", str(self.passed))
             self.store.set(f"{self.prefix}/abandon/{self.rank}", reason)
+
+    def passed_by(self, rank: int) -> int:
+        """The gathers rank ``rank`` completed on this build before it abandoned it (0: unknown)."""
+        key = f"{self.prefix}/passed/{rank}"
+        try:
+            return int(self.store.get(key)) if self.store.check([key]) else 0
+        except Exception:
+            return 0
 
     def note(self, rank: int) -> str | None:
         """Rank ``rank``'s abandon note on this op, if any."""

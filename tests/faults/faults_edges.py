@@ -124,3 +124,26 @@ def store_host_dies(rank: int, world: int, check_calls: bool):
         got.append((outcome, time.monotonic() - t0))
     op.close()
     return got
+
+
+def refused_twice_with_rank1_slow_to_look(rank: int, world: int):
+    """Both ranks build an op that every rank refuses (the same error, agreed), twice. Rank 1 is
+    slow to look for its peer's key in the first attempt (a busy host): rank 0 has already raised
+    and begun its second attempt by then."""
+    from arnorm.op import _rendezvous
+
+    ff.aligned()
+    real = _rendezvous.Channel._wait
+    slow = [rank == 1]
+
+    def late_look(self, *args):
+        if slow[0]:
+            slow[0] = False
+            time.sleep(1.0)
+        return real(self, *args)
+
+    _rendezvous.Channel._wait = late_look  # type: ignore[method-assign]
+    got = [attempt(lambda: ff.build(quant="bogus").close()) for _ in range(2)]
+    _rendezvous.Channel._wait = real  # type: ignore[method-assign]
+    got.append(attempt(lambda: ff.build().close()))
+    return got

@@ -59,3 +59,15 @@ def test_a_store_whose_host_died_is_a_clear_error_on_every_rank(check_calls):
         assert "(needs a live c10d store: " in build[2] and "restart the job" in build[2], build
         assert call_s < 2.5 and build_s < 2.5  # at once, not at the peer timeout
     assert issubclass(arnorm.StoreLostError, arnorm.PeerError)
+
+
+def test_a_peer_that_raised_the_agreed_error_and_began_again_is_not_taken_for_drift():
+    """Rank 0 raises the error every rank raises, then begins its next build before rank 1 has
+    looked at the first: rank 1 used to take rank 0's new build for a drifted count and jump to it,
+    so its own second attempt waited for an op rank 0 never built (PeerError after the timeout)."""
+    results = run_ranks(2, fe.refused_twice_with_rank1_slow_to_look, env=ENV, timeout=60)
+    for first, second, third in results:
+        assert first[:2] == second[:2] == ("error", "InvalidInputError"), (first, second)
+        assert "quant" in first[2] and first == second
+        assert third == ("ok", None)
+    assert results[0] == results[1]
