@@ -90,7 +90,7 @@ def build_problem(
     if hidden > MAX_HIDDEN_SIZE:
         raise InvalidInputError(
             f"hidden_size: {hidden} (needs an int from 1 to {MAX_HIDDEN_SIZE}: no model's rows are "
-            "that wide, and one row of it would not fit a workspace)"
+            "that wide, and buffers of such rows would fail to allocate at the first call)"
         )
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
     if name not in DTYPES:
