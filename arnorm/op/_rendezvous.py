@@ -190,21 +190,22 @@ class Channel:
             self.store.set(f"{self.prefix}/passed/{self.rank}", str(self.passed))
             self.store.set(f"{self.prefix}/abandon/{self.rank}", reason)
 
+    def _read(self, key: str) -> bytes | None:
+        """``key``'s value, or ``None`` when it is absent or the store cannot say."""
+        try:
+            return self.store.get(key) if self.store.check([key]) else None
+        except Exception:
+            return None
+
     def passed_by(self, rank: int) -> int:
         """The gathers rank ``rank`` completed on this build before it abandoned it (0: unknown)."""
-        key = f"{self.prefix}/passed/{rank}"
-        try:
-            return int(self.store.get(key)) if self.store.check([key]) else 0
-        except Exception:
-            return 0
+        got = self._read(f"{self.prefix}/passed/{rank}")
+        return 0 if got is None else int(got)
 
     def note(self, rank: int) -> str | None:
         """Rank ``rank``'s abandon note on this op, if any."""
-        key = f"{self.prefix}/abandon/{rank}"
-        try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:
-            return None
+        got = self._read(f"{self.prefix}/abandon/{rank}")
+        return None if got is None else got.decode()
 
     def raise_if_abandoned(self, ranks: list[int], still_missing: Any = None) -> None:
         for r in ranks:
@@ -231,11 +232,8 @@ class Channel:
             time.sleep(0.05)
 
     def where(self, rank: int) -> int:
-        key = f"{self.group}/at/{rank}"
-        try:
-            return int(self.store.get(key)) if self.store.check([key]) else 0
-        except Exception:
-            return 0
+        got = self._read(f"{self.group}/at/{rank}")
+        return 0 if got is None else int(got)
 
     def timeout_error(self, missing: list[int], what: str) -> PeerError:
         seen = "; ".join(
