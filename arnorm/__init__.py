@@ -32,6 +32,7 @@ from arnorm._errors import (
     NoEligibleBackendError,
     PeerError,
     SelectionError,
+    StoreLostError,
 )
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._types import (
@@ -77,6 +78,7 @@ __all__ = [
     "QuantizedActivation",
     "RMSNorm",
     "SelectionError",
+    "StoreLostError",
     "Verdict",
     "backends",
     "fused_allreduce_norm",

@@ -57,6 +57,8 @@ Names = Annotated[tuple[str, ...], NoDecode, BeforeValidator(parse_names)]
 
 #: Fields with no variable (set in code only).
 _CODE_ONLY = frozenset({"settings"})
+#: The shortest ``peer_timeout`` (seconds).
+MIN_PEER_TIMEOUT = 1.0
 
 
 class _ExactEnvironment(PydanticBaseSettingsSource):
@@ -85,7 +87,7 @@ class Config(BaseSettings):
                                                      probe, may each take (15; at most 86400)
     ``peer_timeout``     ``ARNORM_PEER_TIMEOUT``     seconds construction and a CPU (gloo) call wait
                                                      for the other ranks before raising
-                                                     :class:`arnorm.PeerError` (600)
+                                                     :class:`arnorm.PeerError` (600; at least 1)
     ``accelerate``       ``ARNORM_ACCELERATE``       test valid calls in arnorm's C helper, built
                                                      once with Python's C compiler (on)
     ``batch_invariant``  ``ARNORM_BATCH_INVARIANT``  a row's outputs bitwise independent of the token
@@ -119,7 +121,9 @@ class Config(BaseSettings):
     )
     peer_timeout: float = Field(
         default=DEFAULT_PEER_TIMEOUT,
-        gt=0,
+        # Below a second, one rank's store round trip or gloo connect outlasts the bound and the
+        # ranks raise different errors at different times: refused up front, alike on every rank.
+        ge=MIN_PEER_TIMEOUT,
         le=MAX_TIMEOUT,
         allow_inf_nan=False,
         description="Seconds construction (and a call on a gloo group, or its ARNORM_CHECK_CALLS "

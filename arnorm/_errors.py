@@ -8,7 +8,9 @@ naturally catch, so ``except ValueError`` keeps working for bad input::
     ├── ConfigError                (ValueError)    a Config field or ARNORM_* variable is malformed
     ├── InferenceOnlyError         (RuntimeError)  a backward pass reached the op
     ├── PeerError                  (RuntimeError)  another rank failed, stalled or diverged: the op
-    │                                              is unusable on every rank (build a new one)
+    │   │                                          is unusable on every rank (build a new one)
+    │   └── StoreLostError                         the process group's c10d store is gone (its host
+    │                                              died): no op can be built or agree on that group
     └── SelectionError                             no backend could be chosen; carries .explanation
         ├── BackendNotInstalledError (ImportError)   a named backend is missing, unknown or too old
         ├── BackendBrokenError       (ImportError)   a named backend's plugin raised or misbehaved
@@ -38,6 +40,7 @@ __all__ = [
     "NoEligibleBackendError",
     "PeerError",
     "SelectionError",
+    "StoreLostError",
 ]
 
 
@@ -62,6 +65,14 @@ class PeerError(ArnormError, RuntimeError):
     ``Config.peer_timeout``, forked, or built ops in a different order. Like an aborted NCCL
     communicator, the op is unusable afterwards on every rank: close it and build a new one
     (docs/troubleshooting.md, "When a rank fails")."""
+
+
+class StoreLostError(PeerError):
+    """The process group's c10d store stopped answering: the process hosting it (rank 0 of the
+    job, unless the engine passed a store of its own) died or closed it. Ops agree through that
+    store, so none can be built on a group over it, nor called in ``ARNORM_CHECK_CALLS`` mode:
+    restart the job, or ``destroy_process_group()`` and ``init_process_group()`` again on every
+    rank (docs/troubleshooting.md, "When a rank fails")."""
 
 
 class SelectionError(ArnormError):

@@ -95,6 +95,10 @@ def token_list(text: str) -> list[int]:
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> str:
+    from arnorm.registry._failure import printable
+
+    # Cells come from plugins (names, versions, reasons): one printable line each.
+    rows = [tuple(printable(c) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows

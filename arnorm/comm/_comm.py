@@ -232,20 +232,24 @@ class Comm:
             if status == _POISON:
                 note = self.channel.note(r) if self.channel is not None else None
                 raise self._fail(
-                    note or f"op out of step on rank {r}: its call {step} failed; build a new op"
+                    note or f"op out of step on {self._who(r)}: its call {step} failed; build a new op"
                 )
             if step != self.calls:
                 raise self._fail(
-                    f"op out of step: rank {r} is at call {step}, this rank at {self.calls} (needs every "
-                    "rank to make the same calls of the op; build a new op)"
+                    f"op out of step: {self._who(r)} is at call {step}, this rank at {self.calls} (needs "
+                    "every rank to make the same calls of the op; build a new op)"
                 )
         sizes = [n for _, _, n in seen]
         if any(n != numel for n in sizes):
-            detail = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+            detail = ", ".join(f"{self._who(r)}: {n}" for r, n in enumerate(sizes))
             raise InvalidInputError(
                 f"calls: differ across ranks ({detail} elements to exchange) (needs the same call on "
                 "every rank; ARNORM_CHECK_CALLS=1 says which argument differs)"
             )
+
+    def _who(self, r: int) -> str:
+        """Group rank ``r`` named by its global rank (its group rank in brackets where they differ)."""
+        return self.channel.who([r]) if self.channel is not None else f"rank {r}"
 
     def _fail(self, message: str) -> PeerError:
         self._broken = message
@@ -270,7 +274,8 @@ class Comm:
 
         others = [r for r in range(self.world_size) if r != self.rank]
         missing = others if channel is None or len(others) == 1 else channel.late_ranks(self.calls)
-        peers = ranks_text(missing) if missing else f"one or more of {ranks_text(others)}"
+        group = None if channel is None else channel.ranks  # named by global rank
+        peers = ranks_text(missing, group) if missing else f"one or more of {ranks_text(others, group)}"
         timeout = channel.timeout if channel is not None else 0
         message = (
             f"peers: {peers} did not join call {self.calls} of "
@@ -281,7 +286,7 @@ class Comm:
             "object; this op cannot be used again: build a new one)"
         )
         if channel is not None:
-            channel.abandon(f"peers: rank {self.rank} gave up on call {self.calls} ({message})")
+            channel.abandon(f"peers: {channel.who([self.rank])} gave up on call {self.calls} ({message})")
         return message
 
     # -- data collectives on the device group -----------------------------------------------

@@ -22,7 +22,7 @@ import pickle
 import time
 from typing import Any
 
-from arnorm._errors import PeerError
+from arnorm._errors import PeerError, StoreLostError
 
 __all__ = ["Channel", "open_agreement", "ranks_text"]
 
@@ -59,7 +59,14 @@ class Channel:
         #: What the op is doing, for messages: "building" until construction ends, then "calling".
         self.phase = "building"
         self._own: str | None = None  # this rank's key of the previous gather, deleted after the next
-        self.store.set(f"{self.group}/at/{rank}", str(self.build))
+        #: Set when the store stopped answering: nothing is asked of it afterwards.
+        self.lost = False
+        #: Gathers this rank completed on this build (told to the peers when it abandons the op).
+        self.passed = 0
+        try:
+            self.store.set(f"{self.group}/at/{rank}", str(self.build))
+        except Exception as exc:
+            raise self.store_lost(exc) from None
 
     @property
     def prefix(self) -> str:
@@ -67,6 +74,11 @@ class Channel:
 
     def describe(self) -> str:
         return f"op #{self.build} on group {list(self.ranks)}"
+
+    def who(self, positions: list[int]) -> str:
+        """Ranks named as the group lists them (global ranks), each with its position in the group
+        in brackets where the two differ: ``[1]`` on group [1, 2] -> ``"rank 2 [group rank 1]"``."""
+        return ranks_text(positions, self.ranks)
 
     # -- gather -------------------------------------------------------------------------------
 
@@ -77,14 +89,18 @@ class Channel:
         self.step += 1
         store = self.store
         payload = pickle.dumps(obj)
-        store.set(self._key(step, self.rank), payload)
-        self._wait(step, self.phase, payload)
-        got = [pickle.loads(store.get(self._key(step, r))) for r in range(self.world)]
+        try:
+            store.set(self._key(step, self.rank), payload)
+            self._wait(step, self.phase, payload)
+            got = [pickle.loads(store.get(self._key(step, r))) for r in range(self.world)]
+        except Exception as exc:
+            raise self.store_lost(exc) from None
         if self._own is not None:
             # Every peer has read it: they wrote this step's key only after reading the previous one.
             with contextlib.suppress(Exception):  # a store without deletion only grows
                 store.delete_key(self._own)
         self._own = self._key(step, self.rank)
+        self.passed = step + 1
         return got
 
     def _key(self, step: int, rank: int) -> str:
@@ -119,14 +135,50 @@ class Channel:
     def _join_later_build(self, missing: list[int], payload: bytes) -> bool:
         """A peer already building a later op on this group: this rank's count fell behind (a
         construction that failed on some ranks only). Leave this build number and join that one."""
-        later = max(self.where(r) for r in missing)
-        if later <= self.build:
+        ahead = [r for r in missing if self.where(r) > self.build]
+        if not ahead:
             return False
-        self.abandon(f"peers: rank {self.rank} moved on to op #{later} on group {list(self.ranks)}")
+        # A peer that completed this first gather, with this rank's key, and then left (the error
+        # every rank raises) is no drift: it began its next op before this rank looked. Its key
+        # here is no leftover, and this rank completes the gather with it.
+        if all(self.passed_by(r) > 0 for r in ahead):
+            return False
+        later = max(self.where(r) for r in ahead)
+        self.abandon(f"peers: {self.who([self.rank])} moved on to op #{later} on group {list(self.ranks)}")
         self.build = _BUILDS[self.ranks] = later
         self.store.set(f"{self.group}/at/{self.rank}", str(later))
         self.store.set(self._key(0, self.rank), payload)
         return True
+
+    def release(self) -> None:
+        """This rank is done with the op (closed or dropped). The last rank to say so deletes the
+        op's keys: every rank has then read all it will read (without this, 4 keys per op stayed in
+        the store for the job's life)."""
+        store = self.store
+        if self.lost:
+            return
+        with contextlib.suppress(Exception):  # a store that is gone, or cannot count or delete
+            if store.add(f"{self.prefix}/closed", 1) < self.world:
+                return
+            keys = [self._key(self.step - 1, r) for r in range(self.world)] if self.step else []
+            # The op's gloo communicator's rendezvous (Comm.open_data), and notes of a failed op.
+            keys += [f"{self.prefix}/data/0/{r}" for r in range(self.world)]
+            keys += [f"{self.prefix}/{note}/{r}" for note in ("abandon", "passed") for r in range(self.world)]
+            for key in [*keys, f"{self.prefix}/closed"]:
+                store.delete_key(key)
+
+    def store_lost(self, exc: Exception) -> Exception:
+        """``exc`` as :class:`StoreLostError` when it says the store's connection is gone (its host
+        died: torch raises ``DistNetworkError``, "Broken pipe"), else ``exc`` itself."""
+        if type(exc).__name__ != "DistNetworkError":
+            return exc
+        self.lost = True
+        return StoreLostError(
+            f"store: gone while {self.phase} {self.describe()} ({type(exc).__name__}: {str(exc)[:200]}) "
+            "(needs a live c10d store: its host, rank 0 of the job unless the engine passed a store of "
+            "its own, died or closed it, and no op can be built or checked on a group over it; restart "
+            "the job, or destroy_process_group() and init_process_group() on every rank)"
+        )
 
     # -- notes --------------------------------------------------------------------------------
 
@@ -134,15 +186,26 @@ class Channel:
         """Tell the peers this rank left the op (its construction failed, or the op was poisoned)."""
         # The store itself may be gone: the peers' waits then end at their timeout.
         with contextlib.suppress(Exception):
+            # Before the note: a peer that sees this rank at a later op reads both.
+            self.store.set(f"{self.prefix}/passed/{self.rank}", str(self.passed))
             self.store.set(f"{self.prefix}/abandon/{self.rank}", reason)
+
+    def _read(self, key: str) -> bytes | None:
+        """``key``'s value, or ``None`` when it is absent or the store cannot say."""
+        try:
+            return self.store.get(key) if self.store.check([key]) else None
+        except Exception:
+            return None
+
+    def passed_by(self, rank: int) -> int:
+        """The gathers rank ``rank`` completed on this build before it abandoned it (0: unknown)."""
+        got = self._read(f"{self.prefix}/passed/{rank}")
+        return 0 if got is None else int(got)
 
     def note(self, rank: int) -> str | None:
         """Rank ``rank``'s abandon note on this op, if any."""
-        key = f"{self.prefix}/abandon/{rank}"
-        try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:
-            return None
+        got = self._read(f"{self.prefix}/abandon/{rank}")
+        return None if got is None else got.decode()
 
     def raise_if_abandoned(self, ranks: list[int], still_missing: Any = None) -> None:
         for r in ranks:
@@ -169,24 +232,30 @@ class Channel:
             time.sleep(0.05)
 
     def where(self, rank: int) -> int:
-        key = f"{self.group}/at/{rank}"
-        try:
-            return int(self.store.get(key)) if self.store.check([key]) else 0
-        except Exception:
-            return 0
+        got = self._read(f"{self.group}/at/{rank}")
+        return 0 if got is None else int(got)
 
     def timeout_error(self, missing: list[int], what: str) -> PeerError:
-        seen = "; ".join(f"rank {r} last began building op #{self.where(r)} on this group" for r in missing)
+        seen = "; ".join(
+            f"{self.who([r])} last began building op #{self.where(r)} on this group" for r in missing
+        )
         return PeerError(
-            f"peers: {ranks_text(missing)} did not reach {what} {self.describe()} within {self.timeout:g} s "
+            f"peers: {self.who(missing)} did not reach {what} {self.describe()} within {self.timeout:g} s "
             f"(peer_timeout / ARNORM_PEER_TIMEOUT) ({seen}; this rank is at op #{self.build}) "
             f"(needs every rank of the group to build and call the same ops in the same order: {_WHY})"
         )
 
 
-def ranks_text(ranks: list[int]) -> str:
-    """``[1]`` -> ``"rank 1"``; ``[1, 3]`` -> ``"ranks 1, 3"``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+def ranks_text(ranks: list[int], group: tuple[int, ...] | None = None) -> str:
+    """``[1]`` -> ``"rank 1"``; ``[1, 3]`` -> ``"ranks 1, 3"``. With ``group`` (its global ranks),
+    ``ranks`` are positions in it, named by global rank: ``[1], (1, 2)`` -> ``"rank 2 [group rank 1]"``."""
+
+    def one(r: int) -> str:
+        if group is None or group[r] == r:
+            return str(r)
+        return f"{group[r]} [group rank {r}]"
+
+    return f"rank {one(ranks[0])}" if len(ranks) == 1 else "ranks " + ", ".join(map(one, ranks))
 
 
 def open_agreement(comm: Any, timeout: float) -> None:

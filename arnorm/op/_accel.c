@@ -191,7 +191,8 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                  attr_is(w, s_requires_grad, Py_True) != 0))
         goto decline;
     if (out != Py_None) {
-        /* A trusted out for t tokens: each destination kept its pointer and meets no input. */
+        /* A trusted out for t tokens: each destination kept its pointer and shape (a resize_ that
+         * shrinks it keeps the pointer) and meets no input. */
         PyObject *key = PyLong_FromVoidPtr(out);
         if (key == NULL) goto decline;
         PyObject *spans = PyDict_GetItemWithError(PyTuple_GET_ITEM(state, ST_OUT_SPANS), key); /* borrowed */
@@ -205,13 +206,18 @@ static PyObject *accept(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t i = 0; sok && i < PyTuple_GET_SIZE(dests); i++) {
             PyObject *e = PyTuple_GET_ITEM(dests, i);
             u64 a, b, p;
-            sok = PyTuple_Check(e) && PyTuple_GET_SIZE(e) == 3 && as_u64(PyTuple_GET_ITEM(e, 1), &a) == 0 &&
+            sok = PyTuple_Check(e) && PyTuple_GET_SIZE(e) == 4 && as_u64(PyTuple_GET_ITEM(e, 1), &a) == 0 &&
                   as_u64(PyTuple_GET_ITEM(e, 2), &b) == 0;
             if (!sok) break;
             PyObject *pd = data_ptr(PyTuple_GET_ITEM(e, 0), &p);
             sok = pd != NULL && p == a && apart(a, b, hp, hp + hn) && apart(a, b, rp, re) &&
                   apart(a, b, wp, we) && (scale == Py_None || apart(a, b, sp, se));
             Py_XDECREF(pd);
+            if (sok) {
+                PyObject *shape = PyObject_GetAttr(PyTuple_GET_ITEM(e, 0), s_shape);
+                sok = shape != NULL && PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(e, 3), Py_EQ) == 1;
+                Py_XDECREF(shape);
+            }
         }
         Py_DECREF(spans);
         if (!sok) goto decline;

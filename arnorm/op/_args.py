@@ -12,12 +12,16 @@ from arnorm._types import RMSNorm
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MAX_TOKENS", "build_problem", "platform_of", "resolve_device"]
+__all__ = ["MAX_HIDDEN_SIZE", "MAX_TOKENS", "build_problem", "platform_of", "resolve_device"]
 
 #: The largest ``max_tokens``: construction asks each backend about every token count up to it and
 #: keeps a dispatch entry per count, so its time and memory grow with it (2**31 would need tens of
 #: GB before failing; a million counts take about a second).
 MAX_TOKENS = 1 << 20
+#: The largest ``hidden_size``: 64 times the widest model's (16,384 to 28,672), one fp32 row already
+#: 4 MiB. Larger is a mistake that would otherwise surface as an out-of-memory error at the first
+#: call, on some ranks only; and row offsets ``max_tokens * hidden_size`` stay within 2**40.
+MAX_HIDDEN_SIZE = 1 << 20
 
 
 def platform_of(device: torch.device) -> tuple[str, tuple[int, int] | None, str | None]:
@@ -84,6 +88,11 @@ def build_problem(
     import torch
 
     hidden = _positive_int("hidden_size", hidden_size)
+    if hidden > MAX_HIDDEN_SIZE:
+        raise InvalidInputError(
+            f"hidden_size: {hidden} (needs an int from 1 to {MAX_HIDDEN_SIZE}: no model's rows are "
+            "that wide, and buffers of such rows would fail to allocate at the first call)"
+        )
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
     if name not in DTYPES:
         raise InvalidInputError(f"dtype: {dtype!r} (needs torch.bfloat16, torch.float16 or torch.float32)")

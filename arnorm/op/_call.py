@@ -189,12 +189,13 @@ def call(
         checked = out is None
         if ok and not checked:
             # OutTrust.check's trusted case inline (every out= call pays it): each destination kept
-            # its data pointer and shares no byte with an input; else the full check, which raises.
+            # its data pointer and shape and shares no byte with an input; else the full check,
+            # which raises.
             spans = d.out_spans.get(id(out))
             if spans is not None and spans[0] == t:
                 he, re_, we, se = hp + hn, rp + rn, wp + row_bytes, sp + 4 if scale is not None else 0
-                for dest, a, b in spans[1]:
-                    if dest.data_ptr() != a or (
+                for dest, a, b, shape in spans[1]:
+                    if dest.data_ptr() != a or dest.shape != shape or (
                         (a < he and hp < b) or (a < re_ and rp < b) or (a < we and wp < b)
                         or (a < se and sp < b)
                     ):  # fmt: skip

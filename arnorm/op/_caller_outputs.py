@@ -14,8 +14,8 @@ an earlier call returned it. The call writes into:
 Every destination is a distinct, contiguous tensor on the op's device that shares no byte with
 another destination or with ``hidden_states``, ``residual``, ``weight`` or ``scale``. An ``out``
 that passed the full check is trusted afterwards by identity, with its destinations' data pointers
-compared on each call (a ``t.data = ...`` swap is checked again); the overlap with the call's
-inputs is tested on every call, from the spans remembered at the check.
+and shapes compared on each call (a ``t.data = ...`` swap or a ``resize_`` is checked again); the
+overlap with the call's inputs is tested on every call, from the spans remembered at the check.
 """
 
 from __future__ import annotations
@@ -57,12 +57,13 @@ class OutRules:
 
 
 class Spans(NamedTuple):
-    """A checked ``out`` for ``rows`` tokens: each destination with the data pointer it had and its
+    """A checked ``out`` for ``rows`` tokens: each destination with the data pointer it had, its
     ``[start, end)`` byte range (tested against the call's inputs on every call, each on its own:
-    an envelope of them would meet unrelated inputs that a caching allocator placed in between)."""
+    an envelope of them would meet unrelated inputs that a caching allocator placed in between) and
+    its shape (an in-place ``resize_`` that shrinks a buffer keeps its data pointer)."""
 
     rows: int
-    dests: tuple[tuple[Any, int, int], ...]
+    dests: tuple[tuple[Any, int, int, Any], ...]
 
 
 def _dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...], Any]]:
@@ -175,7 +176,7 @@ def check_out(rules: OutRules, out: object, t: int) -> Spans:
             if start < b and a < end:
                 raise InvalidInputError(f"{arg}: overlaps {dests[j][0]} (needs a separate buffer)")
         ranges.append((start, end))
-    return Spans(t, tuple((d, a, b) for (_, d), (a, b) in zip(dests, ranges, strict=True)))
+    return Spans(t, tuple((d, a, b, d.shape) for (_, d), (a, b) in zip(dests, ranges, strict=True)))
 
 
 def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any], ...]) -> None:
@@ -188,7 +189,7 @@ def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any
             continue
         rows, cols = (t.shape[0], t.shape[1]) if t.dim() == 2 else (1, t.numel())
         a, b = span(t, rows, cols)
-        for arg, (_, s, e) in zip(names, spans.dests, strict=True):
+        for arg, (_, s, e, _) in zip(names, spans.dests, strict=True):
             if s < b and a < e:
                 raise InvalidInputError(f"{arg}: overlaps {name} (needs a separate buffer)")
 
@@ -209,8 +210,8 @@ class OutTrust:
         # Hot path of every out= call: plain loops, no generators (each costs a frame).
         s = self.table.get(id(out))
         if s is not None and s[0] == t:
-            for d, p, _ in s[1]:
-                if d.data_ptr() != p:
+            for d, p, _, shape in s[1]:
+                if d.data_ptr() != p or d.shape != shape:
                     break
             else:
                 return s

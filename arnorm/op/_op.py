@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +140,7 @@ class AllReduceNorm:
         self._dispatch = Dispatch()
         self._chain: list[Any] = []
         self._group_name = ""
+        self._release_keys: weakref.finalize[Any, Any] | None = None
         if not _building.acquire(blocking=False):
             msg = (
                 "AllReduceNorm: built from two threads at once "
@@ -235,6 +237,9 @@ class AllReduceNorm:
         track(self)
         if comm.channel is not None:
             comm.channel.phase = "calling"
+            # Closed or dropped, the op's store keys go once every rank is done with them.
+            self._release_keys = weakref.finalize(self, comm.channel.release)
+            self._release_keys.atexit = False  # at exit the store may be gone: nothing to tidy
         self._dispatch = dispatch
 
     def _abandon(self, exc: BaseException) -> None:
@@ -245,7 +250,9 @@ class AllReduceNorm:
         channel = getattr(comm, "channel", None)
         if channel is not None:
             what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            channel.abandon(f"peers: rank {channel.rank} abandoned building {channel.describe()}: {what}")
+            channel.abandon(
+                f"peers: {channel.who([channel.rank])} abandoned building {channel.describe()}: {what}"
+            )
         if comm is not None:
             comm.close()  # the exception's traceback holds this half-built op: hold no group
 
@@ -355,7 +362,21 @@ class AllReduceNorm:
                 warnings.warn(
                     f"arnorm: {type(impl).__name__}.close() raised {plugin_failure(exc)}", ArnormWarning, 2
                 )
+        if self._release_keys is not None:
+            self._release_keys()
         self._comm.close()  # after the backends: a plugin's close() may still read its Comm
+
+    # -- no copies ---------------------------------------------------------------------------
+
+    def _not_copyable(self, *args: object) -> Any:
+        # A copy would share the dispatch tables, the group claim and the communicator, so closing
+        # it would break the original; a pickle would need a live process group on the other side.
+        raise TypeError(
+            "op: an AllReduceNorm cannot be copied or pickled (needs a new arnorm.AllReduceNorm, built "
+            "collectively on every rank; deepcopy or pickle the model before attaching the op)"
+        )
+
+    __copy__ = __deepcopy__ = __reduce_ex__ = __reduce__ = __getstate__ = _not_copyable
 
     def __enter__(self) -> AllReduceNorm:
         return self

@@ -21,7 +21,7 @@ from typing import Any
 import pluggy
 
 from arnorm._errors import ArnormWarning
-from arnorm.registry._failure import plugin_failure
+from arnorm.registry._failure import plugin_failure, printable
 from arnorm.registry._imports import discovery_timeout, import_bounded, timed_out
 from arnorm.registry._spec import BUILTIN_NAMES, PROJECT, BackendHookSpecs, BackendSpec, priority_order
 
@@ -103,9 +103,30 @@ def _broken(name: str, plugin: str, detail: str) -> BackendInfo:
     return BackendInfo(name, "broken", reason, None, None, plugin)
 
 
+def _taken_entry_point(pm: pluggy.PluginManager, plugin: str, dist: str | None) -> str:
+    """Why a foreign entry point may not load under its name (``""``: it may): the name of one of
+    arnorm's built-in plugins, or of a plugin already loaded. pluggy would refuse the second
+    registration, and the broken entry used to replace the built-in backend of that name."""
+    if dist == CORE_DISTRIBUTION:
+        return ""
+    package = f"package {dist!r}" if dist else "a package of unknown name"
+    if plugin in BUILTIN_NAMES:
+        return (
+            f"entry point {plugin!r} of {package} takes the name of arnorm's built-in plugin "
+            "(needs another entry-point name)"
+        )
+    if pm.has_plugin(plugin):
+        return (
+            f"entry point {plugin!r} of {package} takes the name of a plugin already loaded "
+            "(needs another entry-point name, or one of the two packages uninstalled)"
+        )
+    return ""
+
+
 def _distribution(ep: Any) -> str | None:
     dist = getattr(ep, "dist", None)
-    return getattr(dist, "name", None) if dist is not None else None
+    name = getattr(dist, "name", None) if dist is not None else None
+    return printable(name) if isinstance(name, str) else None
 
 
 class Registry:
@@ -131,7 +152,12 @@ class Registry:
         ordered = sorted(eps, key=lambda e: (_distribution(e) != CORE_DISTRIBUTION, e.name))
         timeout = discovery_timeout()
         for ep in ordered:
-            plugin, dist = ep.name, _distribution(ep)
+            # Printed by `arnorm backends`, in warnings and in every explanation: escaped.
+            plugin, dist = printable(ep.name), _distribution(ep)
+            taken = _taken_entry_point(pm, plugin, dist)
+            if taken:
+                registry._put(_broken(registry.free_name(plugin, dist), plugin, taken))
+                continue
             try:
                 status, got = import_bounded(ep.value.partition(":")[0].strip(), timeout)
                 if status == "timeout":
@@ -150,7 +176,7 @@ class Registry:
                 detail = plugin_failure(exc)
                 if pm.has_plugin(plugin):
                     pm.unregister(name=plugin)
-                registry._put(_broken(plugin, plugin, detail))
+                registry._put(_broken(registry.free_name(plugin, dist), plugin, detail))
                 continue
             registry.add_from_hook(plugin, impls[0].function, dist)
         return registry
@@ -198,6 +224,13 @@ class Registry:
             self._core.add(spec.name)
         self._claims[spec.name] = who
         self._put(_info_for(spec, plugin))
+
+    def free_name(self, plugin: str, distribution: str | None) -> str:
+        """The name a broken plugin is listed under: its entry point's, unless a backend (a
+        built-in one, say) already holds that name, which a broken entry must never replace."""
+        if plugin not in self._infos:
+            return plugin
+        return f"{plugin}@{distribution or 'unknown package'}"
 
     def _put(self, info: BackendInfo) -> None:
         self._infos[info.name] = info

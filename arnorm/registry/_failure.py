@@ -1,10 +1,11 @@
-"""A plugin's exception as one line of arnorm's grammar, for the registry and the probe alike."""
+"""A plugin's exception as one line of arnorm's grammar, for the registry and the probe alike, and
+the escaping that keeps any text a plugin or a variable supplies to one printable line."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plugin_failure"]
+__all__ = ["plugin_failure", "printable"]
 
 
 def plugin_failure(exc: BaseException) -> str:
@@ -19,8 +20,17 @@ def plugin_failure(exc: BaseException) -> str:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        return "; ".join(_validation_line(exc.title, e) for e in exc.errors())
-    return f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+        return printable("; ".join(_validation_line(exc.title, e) for e in exc.errors()))
+    return printable(f"{type(exc).__name__}: {exc}".strip().rstrip(":"))
+
+
+def printable(text: str) -> str:
+    """``text`` unchanged when every character is printable, else with each one that is not
+    escaped (``\\n``, ``\\x1b``): a name or message from a plugin or an ``ARNORM_*`` variable may
+    neither forge a line of a table nor send a terminal its control sequences."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _validation_line(model: str, error: Any) -> str:

@@ -31,7 +31,7 @@ from arnorm.registry._discovery import Registry
 from arnorm.registry._explain import Explanation, Verdict
 from arnorm.registry._failure import plugin_failure
 from arnorm.registry._probe import load_class, probe
-from arnorm.registry._spec import priority_order
+from arnorm.registry._spec import NAME_PATTERN, priority_order
 
 if TYPE_CHECKING:
     from arnorm.comm._comm import Comm
@@ -70,15 +70,31 @@ class Preference:
             if not names or not all(isinstance(n, str) for n in names):
                 msg = f"backend: {backend!r} (needs a backend name, a list of names, or None for auto)"
                 raise InvalidInputError(msg)
+            _check_names("backend", backend, names, InvalidInputError)
             return cls(names, "argument", disabled)
         if config.backend:
             from_env = parse_names(os.environ.get("ARNORM_BACKEND", "")) == tuple(config.backend)
-            return cls(tuple(config.backend), "ARNORM_BACKEND" if from_env else "Config.backend", disabled)
+            source = "ARNORM_BACKEND" if from_env else "Config.backend"
+            found = os.environ["ARNORM_BACKEND"] if from_env else config.backend
+            _check_names(source, found, config.backend, ConfigError)
+            return cls(tuple(config.backend), source, disabled)
         return cls(None, "auto", disabled)
 
     @property
     def is_strict(self) -> bool:
         return self.names is not None
+
+
+def _check_names(where: str, found: object, names: Sequence[str], error: type[Exception]) -> None:
+    """A preferred name that no backend could have (every registered name matches NAME_PATTERN) is
+    refused up front: it is printed in the explanation's table, where a newline in it would forge
+    a row."""
+    for name in names:
+        if not NAME_PATTERN.fullmatch(name):
+            raise error(
+                f"{where}: {found!r} (needs backend names, comma-separated: each a lower-case letter, "
+                f"then a-z, 0-9 or _, 32 at most; {name!r} is not one)"
+            )
 
 
 def check_locally(
