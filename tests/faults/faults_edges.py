@@ -130,7 +130,7 @@ def refused_twice_with_rank1_slow_to_look(rank: int, world: int):
     """Both ranks build an op that every rank refuses (the same error, agreed), twice. Rank 1 is
     slow to look for its peer's key in the first attempt (a busy host): rank 0 has already raised
     and begun its second attempt by then."""
-    from arnorm.op import _rendezvous
+    from arnorm.comm import _rendezvous
 
     ff.aligned()
     real = _rendezvous.Channel._wait
