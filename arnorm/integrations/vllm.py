@@ -306,14 +306,15 @@ def allreduce_gemma_rms_norm_mxfp8(
     norm: Any,
     return_normed: bool = False,
     *,
-    scale_layout: str = "swizzled_128x4",
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """All-reduce + add + Gemma RMSNorm + MXFP8: ``(x_q, x_scale, normed | None, residual)``, or None.
 
     ``x_q`` is float8_e4m3fn ``[T, H]``; ``x_scale`` the uint8 E8M0 exponents in the layout the
-    consumer reads: ``"swizzled_128x4"`` (default: vLLM's FlashInfer mxfp8 linears, ``kMxfp8Dynamic``),
-    flat ``[ceil(T/128)*128 * ceil(H/128)*4]`` as vLLM's ``mxfp8_e4m3_quantize`` returns it, or
-    ``"linear"``: row-major ``[T, H/32]``. ``normed`` only with ``return_normed=True``. Computed
+    consumer reads: ``"linear"`` (default: the seed's documented return, what its AMD caller reads):
+    row-major ``[T, H/32]``; or, on request, ``"swizzled_128x4"`` (vLLM's FlashInfer mxfp8 linears,
+    ``kMxfp8Dynamic``): flat ``[ceil(T/128)*128 * ceil(H/128)*4]`` as vLLM's ``mxfp8_e4m3_quantize``
+    returns it. ``normed`` only with ``return_normed=True``. Computed
     wherever arnorm can: fused when a backend serves the call, otherwise the TP all-reduce then
     arnorm's norm + mxfp8 (a single-process op, or the reference arithmetic), TP 1 included. None
     only where no path takes the inputs (see :func:`fused_allreduce_gemma_rms_norm_quant`'s

@@ -100,6 +100,11 @@ def test_real_fp8_linear_kernel_takes_it_bitwise(report):
 
 
 def test_mxfp8_returns_wherever_arnorm_computes(report):
+    """Issue 44: the seed's call returns row-major E8M0 scales [T, H // 32]; swizzled only on request."""
     _, r = report
+    hidden = r["mxfp8"]["hidden"]
     for row in r["mxfp8"]["rows"]:
-        assert row["returned"] and row["codes_are_arnorm_quant"] and row["scale_shape_as_vllm"], row
+        assert row["returned"] and row["codes_are_arnorm_quant"], row
+        assert row["seed_call_scale_shape"] == [row["tokens"], hidden // 32], row
+        assert row["seed_call_scale_dtype"] == "torch.uint8" and row["seed_call_scales_row_major"], row
+        assert row["seed_call_normed_is_none"] and row["swizzled_scale_shape_as_vllm"], row

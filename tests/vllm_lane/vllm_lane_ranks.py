@@ -256,7 +256,8 @@ def check_quant(rank: int, world: int) -> dict[str, Any]:
 
 def check_mxfp8(rank: int, world: int) -> dict[str, Any]:
     """allreduce_gemma_rms_norm_mxfp8 returns a result below and above the budget (fused, or the
-    all-reduce then arnorm's norm + mxfp8); scales 128x4-swizzled as vLLM's mxfp8 linears read them."""
+    all-reduce then arnorm's norm + mxfp8). Called as the seed calls it, the scales are row-major E8M0
+    ``[T, H // 32]``; ``scale_layout="swizzled_128x4"`` gives what vLLM's mxfp8 linears read."""
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import _mxfp8_e4m3_quantize_torch
 
     from arnorm.integrations import vllm as av
@@ -268,19 +269,26 @@ def check_mxfp8(rank: int, world: int) -> dict[str, Any]:
         x, residual, weight = _inputs(rank, world, tokens, hidden, dtype, 3)
         gemma, _ = _norms(hidden, dtype, weight)
         got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual.clone(), gemma, True)
-        row: dict[str, Any] = {"tokens": tokens, "returned": got is not None}
-        if got is not None:
+        seed = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual.clone(), gemma)
+        swz = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual.clone(), gemma, True,
+                                                scale_layout="swizzled_128x4")  # fmt: skip
+        row: dict[str, Any] = {"tokens": tokens, "returned": None not in (got, seed, swz)}
+        if got is not None and seed is not None and swz is not None:
             x_q, x_scale, normed, _ = got
-            want = quantize(normed, "mxfp8", layout="swizzled_128x4")
+            want = quantize(normed, "mxfp8", layout="linear")
             _, vllm_sf = _mxfp8_e4m3_quantize_torch(normed, is_sf_swizzled_layout=True)
             row.update(
                 codes_are_arnorm_quant=_bitwise(x_q, want.data),
-                scale_shape_as_vllm=tuple(x_scale.shape) == tuple(vllm_sf.shape),
-                scale_bytes_equal_vllm_torch_mxfp8=_bitwise(x_scale, vllm_sf),
+                seed_call_scale_shape=list(seed[1].shape),
+                seed_call_scale_dtype=str(seed[1].dtype),
+                seed_call_scales_row_major=_bitwise(seed[1], want.scale) and _bitwise(x_scale, want.scale),
+                seed_call_normed_is_none=seed[2] is None,
+                swizzled_scale_shape_as_vllm=tuple(swz[1].shape) == tuple(vllm_sf.shape),
+                swizzled_scale_bytes_equal_vllm_torch_mxfp8=_bitwise(swz[1], vllm_sf),
             )
         rows.append(row)
     av.close()
-    return {"rows": rows}
+    return {"hidden": hidden, "rows": rows}
 
 
 def lane(rank: int, world: int) -> dict[str, Any]:
