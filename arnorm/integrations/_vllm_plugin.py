@@ -9,7 +9,8 @@ names. :func:`register` routes vLLM's fused all-reduce + norm helpers to arnorm'
   that defines it and in every module that already imported it by name (vLLM's model files do);
   a module imported later takes arnorm's from the defining module;
 - a helper that is missing is skipped; one whose signature differs (a newer vLLM) is left alone;
-- one log line per process (logger ``vllm.arnorm``, so vLLM's own log shows it) says which
+- one log line per process (logger ``vllm.arnorm``, so vLLM's own log shows it; stderr in a process
+  that has configured no logging yet, as vLLM's front end when it loads plugins) says which
   helpers were routed, which were left alone and why, and which arnorm backends serve;
 - ``ARNORM_VLLM=0`` (``Config.vllm``) leaves vLLM untouched, and the line says so.
 
@@ -154,6 +155,15 @@ def _backends() -> str:
     )
 
 
+def _say(level: int, message: str, *args: Any) -> None:
+    """Log one line; where nothing would show it yet (vLLM's front end loads plugins before it
+    configures its logging), write it to stderr instead, so every process says it."""
+    if logger.hasHandlers():
+        logger.log(level, message, *args)
+    else:
+        sys.stderr.write(f"{logging.getLevelName(level)} {message % args}\n")
+
+
 def register() -> None:
     """vLLM's hook (``vllm.general_plugins``): route the helpers in this process, unless ARNORM_VLLM=0.
     Never raises: a failure leaves vLLM's own helpers and is logged."""
@@ -164,15 +174,16 @@ def register() -> None:
 
         enabled = Config().vllm
     except Exception as exc:  # a malformed ARNORM_* value: say it, keep vLLM's own path
-        logger.warning("arnorm: vLLM helpers left to vLLM (pid %d): settings: %s", os.getpid(), exc)
+        _say(logging.WARNING, "arnorm: vLLM helpers left to vLLM (pid %d): settings: %s", os.getpid(), exc)
         return
     if not enabled:
-        logger.info("arnorm: vLLM helpers left to vLLM (pid %d): ARNORM_VLLM=0", os.getpid())
+        _say(logging.INFO, "arnorm: vLLM helpers left to vLLM (pid %d): ARNORM_VLLM=0", os.getpid())
         return
     try:
         routing = route()
     except Exception as exc:
-        logger.warning(
+        _say(
+            logging.WARNING,
             "arnorm: vLLM helpers left to vLLM (pid %d): routing failed (%s: %s)",
             os.getpid(),
             type(exc).__name__,
@@ -181,7 +192,8 @@ def register() -> None:
         return
     routed = ", ".join(name for name, _ in routing.routed) or "none"
     left = "; ".join(f"{name}: {why}" for name, why in routing.left_alone) or "none"
-    logger.info(
+    _say(
+        logging.INFO,
         "arnorm: routed vLLM's %s to arnorm.integrations.vllm (pid %d); left to vLLM: %s; backend: %s",
         routed,
         os.getpid(),

@@ -74,6 +74,12 @@ def test_norm_drop_ins_match_vllms_own_helpers(report):
             assert row["rounded_sum_arithmetic"]["differ"] > 10 * max(n["differ"], 1), row
     backends = {row["backend"] for row in r["norms"]["rows"]}
     assert backends == {"triton", "unfused (over budget)"}, backends
+    for row in r["norms"]["rows"]:  # the call itself went where op_for says (arnorm's tally)
+        assert row["served"] == {"triton" if row["backend"] == "triton" else "unfused": 1}, row
+    # Issue 44: fp16 activations with fp32 module weights run fused too (the weights hold fp16 values).
+    fp32_weights = [row for row in r["norms"]["rows"] if row["weights"] == "float32"]
+    assert {row["kind"] for row in fp32_weights} == {"gemma", "plain"}
+    assert {row["backend"] for row in fp32_weights} == {"triton", "unfused (over budget)"}
 
 
 def test_quant_entry_returns_vllms_quantized_activation(report):

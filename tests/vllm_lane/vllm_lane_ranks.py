@@ -60,18 +60,22 @@ def vllm_parallel_state(rank: int, world: int) -> Any:
             ps.destroy_model_parallel()
 
 
-def _norms(hidden: int, dtype: torch.dtype, weight: torch.Tensor) -> tuple[Any, Any]:
+def _norms(
+    hidden: int, dtype: torch.dtype, weight: torch.Tensor, weight_dtype: torch.dtype | None = None
+) -> tuple[Any, Any]:
+    """vLLM's GemmaRMSNorm and RMSNorm holding ``weight`` (the plain one ``1 + weight``), their
+    parameters in ``weight_dtype`` (default: the model dtype, as vLLM's loader makes them)."""
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as vLLM's model loader does: parameters in the model dtype
+    torch.set_default_dtype(weight_dtype or dtype)
     try:
         gemma, plain = GemmaRMSNorm(hidden, EPS), RMSNorm(hidden, EPS)
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
         gemma.weight.copy_(weight)
-        plain.weight.copy_((weight.float() + 1).to(dtype))
+        plain.weight.copy_((weight.float() + 1).to(dtype))  # values the model dtype holds
     return gemma, plain
 
 
@@ -87,10 +91,12 @@ def check_norms(rank: int, world: int) -> dict[str, Any]:
     from arnorm.integrations import vllm as av
 
     rows = []
-    for dtype in DTYPES:
+    # fp16 activations also with fp32 norm weights (a module may keep its norms in fp32; issue 44).
+    cases = [(dtype, None) for dtype in DTYPES] + [(torch.float16, torch.float32)]
+    for dtype, weight_dtype in cases:
         for hidden, tokens in SHAPES:
             x, residual, weight = _inputs(rank, world, tokens, hidden, dtype, 1)
-            gemma, plain = _norms(hidden, dtype, weight)
+            gemma, plain = _norms(hidden, dtype, weight, weight_dtype)
             for kind, norm, theirs, ours in (
                 ("gemma", gemma, vllm_gemma, av.fused_allreduce_gemma_rms_norm),
                 ("plain", plain, vllm_plain, av.fused_allreduce_rms_norm),
@@ -98,11 +104,14 @@ def check_norms(rank: int, world: int) -> dict[str, Any]:
                 want_y, want_h = theirs(x.clone(), residual.clone(), norm)
                 op = av.op_for(hidden, dtype, EPS, norm=norm, device="cpu")
                 backend = op.backend_for(tokens) if tokens <= MAX_TOKENS else "unfused (over budget)"
+                av.served_calls(reset=True)
                 got_y, got_h = ours(x.clone(), residual.clone(), norm)
+                (served,) = av.served_calls(reset=True).values()  # what served this one call
                 row = {
                     "kind": kind, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden,
+                    "weights": str(norm.weight.dtype).removeprefix("torch."),
                     "tokens": tokens, "backend": backend, "residual_bitwise": _bitwise(got_h, want_h),
-                    "normed": _diff(got_y, want_y), "problem": op.problem.short(),
+                    "normed": _diff(got_y, want_y), "problem": op.problem.short(), "served": served,
                 }  # fmt: skip
                 if kind == "gemma":
                     # What arnorm computed before issue 35 (the statistic over the rounded sum).
