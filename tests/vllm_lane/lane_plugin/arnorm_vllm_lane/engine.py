@@ -23,15 +23,17 @@ CONFIG = dict(
 )  # fmt: skip
 PROMPTS = ([3, 17, 92, 5, 41, 8], [100, 2, 77, 64], [9])
 MAX_TOKENS = 6
+#: One seed per model, so the two models' weights differ.
+SEEDS = {"plain": 0, "gemma": 1}
 LOGPROBS = 4
 
 
 def checkpoint(root: str, model: str, dtype: str, norm_dtype: str | None) -> str:
-    """The checkpoint directory for this model (written once): random weights, seed 0."""
+    """The checkpoint directory for this model (written once): random weights, the model's seed."""
     import torch
     import transformers
 
-    name = f"{model}-{dtype}" + (f"-norms-{norm_dtype}" if norm_dtype else "")
+    name = f"{model}-seed{SEEDS[model]}-{dtype}" + (f"-norms-{norm_dtype}" if norm_dtype else "")
     path = os.path.join(root, name)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -39,7 +41,7 @@ def checkpoint(root: str, model: str, dtype: str, norm_dtype: str | None) -> str
     config = transformers.LlamaConfig(**CONFIG, architectures=[arch])
     if norm_dtype:
         config.arnorm_lane_norm_dtype = norm_dtype
-    torch.manual_seed(0)
+    torch.manual_seed(SEEDS[model])
     hf = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for pname, p in hf.named_parameters():

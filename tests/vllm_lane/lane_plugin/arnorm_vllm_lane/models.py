@@ -14,10 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.fused_allreduce_gemma_rms_norm import fused_allreduce_gemma_rms_norm
+
+# The layers call the helpers through this module's globals (by name, at each call), as vLLM's model
+# files do: a plugin that routes them must replace these names.
+from vllm.model_executor.layers.fused_allreduce_gemma_rms_norm import (  # noqa: F401
+    fused_allreduce_gemma_rms_norm,
+)
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
+from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm  # noqa: F401
 
 __all__ = ["ARCHITECTURES", "ArnormLaneGemmaForCausalLM", "ArnormLanePlainForCausalLM"]
 
@@ -43,56 +48,38 @@ def _norm_dtype(module: torch.nn.Module, config: Any) -> None:
 class PlainLayer(LlamaDecoderLayer):
     """DeepSeek-V3.2's decoder layer shape: plain ``RMSNorm``, ``fused_allreduce_rms_norm``."""
 
+    #: The helper, by its name in this module: looked up at each call, as a model file's global is.
+    helper = "fused_allreduce_rms_norm"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _unreduced(self)
+        if self.helper == "fused_allreduce_gemma_rms_norm":
+            eps = self.input_layernorm.variance_epsilon
+            self.input_layernorm = GemmaRMSNorm(self.hidden_size, eps=eps)
+            self.post_attention_layernorm = GemmaRMSNorm(self.hidden_size, eps=eps)
         _norm_dtype(self, kwargs["vllm_config"].model_config.hf_config)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused_allreduce_norm = globals()[self.helper]
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             # The previous layer's MLP output is left un-reduced; fuse its all-reduce here.
-            hidden_states, residual = fused_allreduce_rms_norm(hidden_states, residual, self.input_layernorm)
+            hidden_states, residual = fused_allreduce_norm(hidden_states, residual, self.input_layernorm)
         hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = fused_allreduce_rms_norm(
-            hidden_states, residual, self.post_attention_layernorm
-        )
+        hidden_states, residual = fused_allreduce_norm(hidden_states, residual, self.post_attention_layernorm)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
 
 
-class GemmaLayer(LlamaDecoderLayer):
-    """MiniMax-M3's decoder layer shape: Gemma norms (``1 + weight``),
-    ``fused_allreduce_gemma_rms_norm``."""
+class GemmaLayer(PlainLayer):
+    """MiniMax-M3's decoder layer shape: Gemma norms (``1 + weight``), ``fused_allreduce_gemma_rms_norm``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _unreduced(self)
-        eps = self.input_layernorm.variance_epsilon
-        self.input_layernorm = GemmaRMSNorm(self.hidden_size, eps=eps)
-        self.post_attention_layernorm = GemmaRMSNorm(self.hidden_size, eps=eps)
-        _norm_dtype(self, kwargs["vllm_config"].model_config.hf_config)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = fused_allreduce_gemma_rms_norm(
-                hidden_states, residual, self.input_layernorm
-            )
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = fused_allreduce_gemma_rms_norm(
-            hidden_states, residual, self.post_attention_layernorm
-        )
-        hidden_states = self.mlp(hidden_states)
-        return hidden_states, residual
+    helper = "fused_allreduce_gemma_rms_norm"
 
 
 class _Model(LlamaModel):
@@ -118,8 +105,8 @@ class _Model(LlamaModel):
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
-        helper = fused_allreduce_gemma_rms_norm if self.gemma else fused_allreduce_rms_norm
-        hidden_states, _ = helper(hidden_states, residual, self.norm)
+        helper = "fused_allreduce_gemma_rms_norm" if self.gemma else "fused_allreduce_rms_norm"
+        hidden_states, _ = globals()[helper](hidden_states, residual, self.norm)
         return hidden_states
 
 
