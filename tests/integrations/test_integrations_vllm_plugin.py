@@ -19,7 +19,7 @@ import torch
 import arnorm
 from arnorm.integrations import _common as integ_common
 from arnorm.integrations import _vllm_groups as vllm_groups
-from arnorm.integrations import _vllm_ops, _vllm_plugin
+from arnorm.integrations import _vllm_norms, _vllm_ops, _vllm_plugin
 from arnorm.integrations import vllm as av
 
 GEMMA_MODULE = "vllm.model_executor.layers.fused_allreduce_gemma_rms_norm"
@@ -31,6 +31,7 @@ def _fresh_state(monkeypatch):
     integ_fakes.install_registry()
     monkeypatch.setattr(vllm_groups, "VLLM_STATE", [])
     monkeypatch.setattr(integ_common, "_WARNED", set())
+    monkeypatch.setattr(_vllm_norms, "_cache", {})  # probes made here stay here
     av.configure()
     av.served_calls(reset=True)
     yield
