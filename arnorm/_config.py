@@ -93,6 +93,9 @@ class Config(BaseSettings):
     ``batch_invariant``  ``ARNORM_BATCH_INVARIANT``  a row's outputs bitwise independent of the token
                                                      count and of the path serving it: only backends
                                                      declaring it are selected (off)
+    ``vllm``             ``ARNORM_VLLM``             arnorm's vLLM plugin routes vLLM's fused
+                                                     all-reduce + norm helpers to arnorm in every
+                                                     vLLM process (on; ``0``: vLLM's own helpers)
     ``settings``         (code only)                 per-backend settings overrides,
                                                      ``{"triton": {"exact": True}}``
     ===================  ==========================  ================================================
@@ -144,6 +147,12 @@ class Config(BaseSettings):
         "count the op serves, and have them run their invariant path: a row's residual, normed output, "
         "codes and scales are then bitwise independent of the token count, of the other rows and of "
         "the kernel or protocol serving the call (docs/numerics.md, 'Batch invariance').",
+    )
+    vllm: bool = Field(
+        default=True,
+        description="Where arnorm is installed in a vLLM environment, its vllm.general_plugins entry point "
+        "routes vLLM's fused all-reduce + norm helpers to arnorm.integrations.vllm in every vLLM process; "
+        "False (ARNORM_VLLM=0) leaves vLLM's own helpers in place (docs/integrations.md).",
     )
     settings: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-backend settings set in code: {backend: {field: value}}."

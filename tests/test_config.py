@@ -20,14 +20,14 @@ def test_every_field_has_its_variable(clean_env):
     """Each core Config field but ``settings`` (code only) is set by ARNORM_<FIELD>."""
     values = {
         "backend": "x", "disable": "y", "check_calls": "1", "probe_timeout": "2.5", "accelerate": "0",
-        "peer_timeout": "30", "batch_invariant": "1",
+        "peer_timeout": "30", "batch_invariant": "1", "vllm": "0",
     }  # fmt: skip
     for field, value in values.items():
         clean_env.setenv(f"ARNORM_{field.upper()}", value)
     c = Config()
     assert set(values) | {"settings"} == set(Config.model_fields)
     assert (c.backend, c.disable, c.check_calls, c.probe_timeout) == (("x",), ("y",), True, 2.5)
-    assert c.accelerate is False and c.batch_invariant is True
+    assert c.accelerate is False and c.batch_invariant is True and c.vllm is False
     assert c.peer_timeout == 30.0
 
 

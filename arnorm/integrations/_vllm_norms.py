@@ -128,7 +128,9 @@ def probe_arithmetic(
     best, best_bad, best_max = None, None, None
     for cand in _CANDIDATES:
         cand = Arithmetic(offset, cand.round_before_weight, cand.normalize_unrounded)
-        _, y = add_rmsnorm(x, residual, w.to(dtype), eps, offset, cand.round_before_weight,
+        # The weight in the module's own dtype: an fp32 weight rounded to fp16 here would judge the
+        # module against arithmetic it does not do (issue 44: false mismatches, up to 30 ulp).
+        _, y = add_rmsnorm(x, residual, w, eps, offset, cand.round_before_weight,
                            cand.normalize_unrounded)  # fmt: skip
         d = _ulps(normed.to(dtype), y)
         bad, worst = int((d > 0).sum()), int(d.max())
@@ -152,7 +154,11 @@ def arithmetic_of(
     it through one helper)."""
     if not accepts_residual(norm):
         return _one_argument(norm, offset)
-    key = (type(norm), dtype, device.type, offset, getattr(norm, "has_weight", True))
+    # The weight's dtype too: vLLM's plain RMSNorm rounds before the weight with an fp16 weight and
+    # once with an fp32 one (x.to(weight.dtype) * weight), so a probe holds for one weight dtype only.
+    weight = getattr(norm, "weight", None)
+    weight_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
+    key = (type(norm), dtype, weight_dtype, device.type, offset, getattr(norm, "has_weight", True))
     known = _cache.get(key)
     if known is not None:
         return known

@@ -7,6 +7,7 @@ group comes from (configure(), or vLLM's parallel state looked up at each call).
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,18 @@ from arnorm._types import LOCAL, RMSNorm
 from arnorm.integrations._vllm_groups import Tp, explicit_tp, vllm_coordinator, vllm_tp
 from arnorm.op._op import AllReduceNorm
 
-__all__ = ["DEFAULT_MAX_TOKENS", "close", "entry", "local_tp", "lock", "ops", "settings", "tp"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "IN_CAPTURE",
+    "close",
+    "entry",
+    "local_tp",
+    "lock",
+    "ops",
+    "settings",
+    "tally",
+    "tp",
+]
 
 #: Token budget of the ops when neither configure() nor vLLM's scheduler says otherwise.
 DEFAULT_MAX_TOKENS = 8192
@@ -37,26 +49,41 @@ class _Settings:
 @dataclass
 class _Entry:
     op: AllReduceNorm | None  # None: the op refused this configuration, for ``refused``
-    served: dict[int, bool] = field(default_factory=dict)
+    served: dict[int, str | None] = field(default_factory=dict)
     refused: str | None = None
+
+    def backend(self, num_tokens: int) -> str | None:
+        """The fused backend serving ``num_tokens`` (cached per count); None where only the
+        reference would, above the budget, or without an op."""
+        if num_tokens in self.served:
+            return self.served[num_tokens]
+        name = None
+        if self.op is not None:
+            try:
+                name = self.op.backend_for(num_tokens)
+            except (InvalidInputError, NoEligibleBackendError):  # above the budget, or nothing serves it
+                name = None
+            if name == "reference":
+                name = None
+        self.served[num_tokens] = name
+        return name
 
     def serves(self, num_tokens: int) -> bool:
         """A backend other than the reference serves ``num_tokens`` (cached per count)."""
-        known = self.served.get(num_tokens)
-        if known is None:
-            if self.op is None:
-                return False
-            try:
-                known = self.op.backend_for(num_tokens) != "reference"
-            except (InvalidInputError, NoEligibleBackendError):  # above the budget, or nothing serves it
-                known = False
-            self.served[num_tokens] = known
-        return known
+        return self.backend(num_tokens) is not None
 
 
 settings = _Settings()
 ops: dict[tuple[Any, ...], _Entry] = {}
 lock = threading.RLock()
+#: Calls served in this process: ``(entry point, fused backend name or "unfused")`` -> count.
+tally: Counter[tuple[str, str]] = Counter()
+
+#: Why a configuration first seen inside CUDA-graph capture runs unfused (nothing is built there).
+IN_CAPTURE = (
+    "op: first needed inside CUDA-graph capture (needs building before capture: vLLM's profile run "
+    "or arnorm.integrations.vllm.warmup(...); building is collective and cannot be captured)"
+)
 
 
 def close() -> None:
@@ -109,6 +136,10 @@ def entry(
     entry = ops.get(key)
     if entry is not None:
         return entry
+    if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Every rank captures the same sizes, so every rank takes the unfused path here alike;
+        # not kept: the next eager call builds the op.
+        return _Entry(None, refused=IN_CAPTURE)
     with lock:
         entry = ops.get(key)
         if entry is None:

@@ -52,8 +52,10 @@ from arnorm.integrations._vllm_ops import entry as entry_for
 from arnorm.integrations._vllm_ops import local_tp as _local_tp
 from arnorm.integrations._vllm_ops import lock as _lock
 from arnorm.integrations._vllm_ops import ops as _ops  # noqa: F401  (the ops built so far, for tests)
+from arnorm.integrations._vllm_ops import tally as _tally
 from arnorm.integrations._vllm_ops import tp as _tp
 from arnorm.integrations._vllm_types import block_scales, scale_layout_for, to_vllm
+from arnorm.integrations._vllm_weights import fused_weight
 from arnorm.op._op import AllReduceNorm
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "fused_allreduce_gemma_rms_norm_quant",
     "fused_allreduce_rms_norm",
     "op_for",
+    "served_calls",
     "warmup",
 ]
 
@@ -112,6 +115,19 @@ def configure(
 
 
 close = _vllm_ops.close
+
+
+def served_calls(reset: bool = False) -> dict[str, dict[str, int]]:
+    """What served the entry points' calls in this process so far: ``{entry point: {path: calls}}``,
+    the path being the fused backend's name or ``"unfused"`` (vLLM's own arithmetic: the all-reduce
+    and the norm module, or arnorm's reference arithmetic for the mxfp8 entry point; ``None``
+    returns of the quant entry point count here too). ``reset``: start counting afresh."""
+    out: dict[str, dict[str, int]] = {}
+    for (entry_point, path), n in sorted(_tally.items()):
+        out.setdefault(entry_point, {})[path] = n
+    if reset:
+        _tally.clear()
+    return out
 
 
 def _offset_of(norm: Any) -> float:
@@ -238,17 +254,21 @@ def _norm_call(
     offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tp = _tp()
-    reason = uncallable_reason(hidden_states, residual, weight) or unfusable_norm_reason(norm)
+    op_weight, reason = fused_weight(weight, hidden_states)
+    reason = reason or uncallable_reason(hidden_states, residual, op_weight) or unfusable_norm_reason(norm)
     if reason is None:
         arith = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
         entry = entry_for(tp, hidden_states, arith.rmsnorm(eps), None, None, True)
         op = entry.op
-        if op is not None and entry.serves(hidden_states.shape[0]):
-            out = op(hidden_states, residual, weight)
+        backend = entry.backend(hidden_states.shape[0]) if op is not None else None
+        if op is not None and backend is not None:
+            out = op(hidden_states, residual, op_weight)
+            _tally[entry_point, backend] += 1
             return out.normed, out.residual  # type: ignore[return-value]
         reason = entry.refused
     if reason is not None:
         warn_unfused(entry_point, reason, 4)
+    _tally[entry_point, "unfused"] += 1
     reduced = tp.all_reduce(hidden_states)
     if accepts_residual(norm):
         normed, new_residual = norm(reduced, residual)
@@ -306,14 +326,15 @@ def allreduce_gemma_rms_norm_mxfp8(
     norm: Any,
     return_normed: bool = False,
     *,
-    scale_layout: str = "swizzled_128x4",
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """All-reduce + add + Gemma RMSNorm + MXFP8: ``(x_q, x_scale, normed | None, residual)``, or None.
 
     ``x_q`` is float8_e4m3fn ``[T, H]``; ``x_scale`` the uint8 E8M0 exponents in the layout the
-    consumer reads: ``"swizzled_128x4"`` (default: vLLM's FlashInfer mxfp8 linears, ``kMxfp8Dynamic``),
-    flat ``[ceil(T/128)*128 * ceil(H/128)*4]`` as vLLM's ``mxfp8_e4m3_quantize`` returns it, or
-    ``"linear"``: row-major ``[T, H/32]``. ``normed`` only with ``return_normed=True``. Computed
+    consumer reads: ``"linear"`` (default: the seed's documented return, what its AMD caller reads):
+    row-major ``[T, H/32]``; or, on request, ``"swizzled_128x4"`` (vLLM's FlashInfer mxfp8 linears,
+    ``kMxfp8Dynamic``): flat ``[ceil(T/128)*128 * ceil(H/128)*4]`` as vLLM's ``mxfp8_e4m3_quantize``
+    returns it. ``normed`` only with ``return_normed=True``. Computed
     wherever arnorm can: fused when a backend serves the call, otherwise the TP all-reduce then
     arnorm's norm + mxfp8 (a single-process op, or the reference arithmetic), TP 1 included. None
     only where no path takes the inputs (see :func:`fused_allreduce_gemma_rms_norm_quant`'s
@@ -344,26 +365,33 @@ def _quantized_call(
     entry_point: str,
     compute_unfused: bool = False,
 ) -> Any:
-    reason = uncallable_reason(hidden_states, residual, weight)
+    op_weight, reason = fused_weight(weight, hidden_states)
+    reason = reason or uncallable_reason(hidden_states, residual, op_weight)
     if reason is None and norm is not None:
         reason = unfusable_norm_reason(norm)
     if reason is not None:
         warn_unfused(entry_point, reason, 5)
+        _tally[entry_point, "unfused"] += 1
         return None
+    weight = op_weight
     rmsnorm = _arithmetic(norm, eps, hidden_states.dtype, hidden_states.device).rmsnorm(eps)
     tp = _tp()
     entry = entry_for(tp, hidden_states, rmsnorm, quant, layout, normed_output)
     op = entry.op
     if op is None:
         warn_unfused(entry_point, str(entry.refused), 5)
+        _tally[entry_point, "unfused"] += 1
         return None
     if quant in ("fp8_static", "nvfp4"):
         if isinstance(scale, torch.Tensor) and scale.dim() == 0:
             scale = scale.reshape(1)  # vLLM keeps some per-tensor scales 0-d
     else:
         scale = None
-    if entry.serves(hidden_states.shape[0]):
+    backend = entry.backend(hidden_states.shape[0])
+    if backend is not None:
+        _tally[entry_point, backend] += 1
         return op(hidden_states, residual, weight, scale)
+    _tally[entry_point, "unfused"] += 1
     if not compute_unfused:
         return None
     # The all-reduce, then arnorm's norm + quant on this rank: a single-process op where a backend

@@ -152,20 +152,25 @@ def check_quant(rank: int, world: int, dtype: torch.dtype, seed: int) -> list[st
 def check_mxfp8(rank: int, world: int, dtype: torch.dtype, seed: int) -> None:
     """allreduce_gemma_rms_norm_mxfp8: (x_q, x_scale, normed | None, residual) wherever arnorm can
     compute it: fused where served, else the all-reduce then arnorm's norm + mxfp8 (not None);
-    scales 128x4-swizzled (flat) by default, row-major on request."""
+    scales row-major ``[T, H // 32]`` when called as the seed calls it, 128x4-swizzled (flat) on request."""
     for tokens in (8, REFERENCE_ONLY, OVER_BUDGET):
         x, residual, weight = inputs(rank, world, tokens, dtype, seed)
         for norm in (integ_fakes.HFGemmaNorm(weight, EPS), integ_fakes.VllmGemmaNorm(weight, EPS)):
             want_y, want_h = unfused(x, residual, weight, unrounded=getattr(norm, "unrounded", False))
-            for return_normed, layout in ((False, "swizzled_128x4"), (True, "linear")):
-                want_q = quantize(want_y, "mxfp8", layout=layout)
-                got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, return_normed,
-                                                        scale_layout=layout)  # fmt: skip
+            for return_normed, layout in ((False, None), (False, "swizzled_128x4"), (True, "linear")):
+                want_q = quantize(want_y, "mxfp8", layout=layout or "linear")
+                if layout is None:  # the seed's call: no scale_layout
+                    got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, return_normed)
+                else:
+                    got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, return_normed,
+                                                            scale_layout=layout)  # fmt: skip
                 assert got is not None, f"mxfp8 T={tokens}: None"
                 x_q, x_scale, normed, new_residual = got
                 _same(x_q, want_q.data, "mxfp8 codes")
                 want_scale = want_q.scale.reshape(-1) if layout == "swizzled_128x4" else want_q.scale
                 _same(x_scale, want_scale, f"mxfp8 {layout} scales")
+                if layout is None:
+                    assert tuple(x_scale.shape) == (tokens, HIDDEN // 32), f"seed call scales {x_scale.shape}"
                 _same(new_residual, want_h, "mxfp8 residual")
                 if return_normed:
                     _same(normed, want_y, "mxfp8 normed")

@@ -335,8 +335,9 @@ def test_quant_entry_returns_vllms_quantized_activation_fields():
 
 def test_mxfp8_computes_where_no_fused_backend_serves():
     """Issue 35: allreduce_gemma_rms_norm_mxfp8 returns a result wherever arnorm can compute one (here
-    above the fused backend's limit, at TP 1), with 128x4-swizzled scales by default (what vLLM's
-    FlashInfer mxfp8 linears read), row-major on request; None only where no path takes the inputs."""
+    above the fused backend's limit, at TP 1); None only where no path takes the inputs. Issue 44: called
+    as the seed calls it, the scales are row-major E8M0 ``[T, H // 32]`` (the seed's documented return);
+    128x4-swizzled (flat, what vLLM's FlashInfer mxfp8 linears read) only on request."""
     from arnorm.quant import quantize
 
     av.configure(group=arnorm.LOCAL, max_tokens=64)
@@ -348,10 +349,14 @@ def test_mxfp8_computes_where_no_fused_backend_serves():
     got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, True)
     assert got is not None
     x_q, x_scale, normed, new_residual = got
-    want = quantize(want_y, "mxfp8", layout="swizzled_128x4")
-    assert _bitwise(x_q, want.data) and _bitwise(x_scale, want.scale.reshape(-1)) and x_scale.dim() == 1
+    want = quantize(want_y, "mxfp8", layout="linear")
+    assert _bitwise(x_q, want.data) and _bitwise(x_scale, want.scale)
+    assert x_scale.shape == (tokens, 64 // 32) and x_scale.dtype == torch.uint8
     assert _bitwise(normed, want_y) and _bitwise(new_residual, want_h)
-    linear = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, scale_layout="linear")
-    assert linear is not None and _bitwise(linear[1], quantize(want_y, "mxfp8").scale)
+    seed_call = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm)
+    assert seed_call is not None and _bitwise(seed_call[1], want.scale) and seed_call[2] is None
+    swizzled = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual, norm, scale_layout="swizzled_128x4")
+    want_swizzled = quantize(want_y, "mxfp8", layout="swizzled_128x4").scale.reshape(-1)
+    assert swizzled is not None and _bitwise(swizzled[1], want_swizzled) and swizzled[1].dim() == 1
     with pytest.raises(arnorm.InvalidInputError, match=r"^scale_layout: 'rows' \(needs 'linear' or"):
         av.allreduce_gemma_rms_norm_mxfp8(x, residual, norm, scale_layout="rows")

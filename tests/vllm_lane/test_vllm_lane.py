@@ -74,6 +74,12 @@ def test_norm_drop_ins_match_vllms_own_helpers(report):
             assert row["rounded_sum_arithmetic"]["differ"] > 10 * max(n["differ"], 1), row
     backends = {row["backend"] for row in r["norms"]["rows"]}
     assert backends == {"triton", "unfused (over budget)"}, backends
+    for row in r["norms"]["rows"]:  # the call itself went where op_for says (arnorm's tally)
+        assert row["served"] == {"triton" if row["backend"] == "triton" else "unfused": 1}, row
+    # Issue 44: fp16 activations with fp32 module weights run fused too (the weights hold fp16 values).
+    fp32_weights = [row for row in r["norms"]["rows"] if row["weights"] == "float32"]
+    assert {row["kind"] for row in fp32_weights} == {"gemma", "plain"}
+    assert {row["backend"] for row in fp32_weights} == {"triton", "unfused (over budget)"}
 
 
 def test_quant_entry_returns_vllms_quantized_activation(report):
@@ -100,6 +106,11 @@ def test_real_fp8_linear_kernel_takes_it_bitwise(report):
 
 
 def test_mxfp8_returns_wherever_arnorm_computes(report):
+    """Issue 44: the seed's call returns row-major E8M0 scales [T, H // 32]; swizzled only on request."""
     _, r = report
+    hidden = r["mxfp8"]["hidden"]
     for row in r["mxfp8"]["rows"]:
-        assert row["returned"] and row["codes_are_arnorm_quant"] and row["scale_shape_as_vllm"], row
+        assert row["returned"] and row["codes_are_arnorm_quant"], row
+        assert row["seed_call_scale_shape"] == [row["tokens"], hidden // 32], row
+        assert row["seed_call_scale_dtype"] == "torch.uint8" and row["seed_call_scales_row_major"], row
+        assert row["seed_call_normed_is_none"] and row["swizzled_scale_shape_as_vllm"], row

@@ -60,18 +60,22 @@ def vllm_parallel_state(rank: int, world: int) -> Any:
             ps.destroy_model_parallel()
 
 
-def _norms(hidden: int, dtype: torch.dtype, weight: torch.Tensor) -> tuple[Any, Any]:
+def _norms(
+    hidden: int, dtype: torch.dtype, weight: torch.Tensor, weight_dtype: torch.dtype | None = None
+) -> tuple[Any, Any]:
+    """vLLM's GemmaRMSNorm and RMSNorm holding ``weight`` (the plain one ``1 + weight``), their
+    parameters in ``weight_dtype`` (default: the model dtype, as vLLM's loader makes them)."""
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as vLLM's model loader does: parameters in the model dtype
+    torch.set_default_dtype(weight_dtype or dtype)
     try:
         gemma, plain = GemmaRMSNorm(hidden, EPS), RMSNorm(hidden, EPS)
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
         gemma.weight.copy_(weight)
-        plain.weight.copy_((weight.float() + 1).to(dtype))
+        plain.weight.copy_((weight.float() + 1).to(dtype))  # values the model dtype holds
     return gemma, plain
 
 
@@ -87,10 +91,12 @@ def check_norms(rank: int, world: int) -> dict[str, Any]:
     from arnorm.integrations import vllm as av
 
     rows = []
-    for dtype in DTYPES:
+    # fp16 activations also with fp32 norm weights (a module may keep its norms in fp32; issue 44).
+    cases = [(dtype, None) for dtype in DTYPES] + [(torch.float16, torch.float32)]
+    for dtype, weight_dtype in cases:
         for hidden, tokens in SHAPES:
             x, residual, weight = _inputs(rank, world, tokens, hidden, dtype, 1)
-            gemma, plain = _norms(hidden, dtype, weight)
+            gemma, plain = _norms(hidden, dtype, weight, weight_dtype)
             for kind, norm, theirs, ours in (
                 ("gemma", gemma, vllm_gemma, av.fused_allreduce_gemma_rms_norm),
                 ("plain", plain, vllm_plain, av.fused_allreduce_rms_norm),
@@ -98,11 +104,14 @@ def check_norms(rank: int, world: int) -> dict[str, Any]:
                 want_y, want_h = theirs(x.clone(), residual.clone(), norm)
                 op = av.op_for(hidden, dtype, EPS, norm=norm, device="cpu")
                 backend = op.backend_for(tokens) if tokens <= MAX_TOKENS else "unfused (over budget)"
+                av.served_calls(reset=True)
                 got_y, got_h = ours(x.clone(), residual.clone(), norm)
+                (served,) = av.served_calls(reset=True).values()  # what served this one call
                 row = {
                     "kind": kind, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden,
+                    "weights": str(norm.weight.dtype).removeprefix("torch."),
                     "tokens": tokens, "backend": backend, "residual_bitwise": _bitwise(got_h, want_h),
-                    "normed": _diff(got_y, want_y), "problem": op.problem.short(),
+                    "normed": _diff(got_y, want_y), "problem": op.problem.short(), "served": served,
                 }  # fmt: skip
                 if kind == "gemma":
                     # What arnorm computed before issue 35 (the statistic over the rounded sum).
@@ -256,7 +265,8 @@ def check_quant(rank: int, world: int) -> dict[str, Any]:
 
 def check_mxfp8(rank: int, world: int) -> dict[str, Any]:
     """allreduce_gemma_rms_norm_mxfp8 returns a result below and above the budget (fused, or the
-    all-reduce then arnorm's norm + mxfp8); scales 128x4-swizzled as vLLM's mxfp8 linears read them."""
+    all-reduce then arnorm's norm + mxfp8). Called as the seed calls it, the scales are row-major E8M0
+    ``[T, H // 32]``; ``scale_layout="swizzled_128x4"`` gives what vLLM's mxfp8 linears read."""
     from vllm.model_executor.layers.quantization.utils.mxfp8_utils import _mxfp8_e4m3_quantize_torch
 
     from arnorm.integrations import vllm as av
@@ -268,19 +278,26 @@ def check_mxfp8(rank: int, world: int) -> dict[str, Any]:
         x, residual, weight = _inputs(rank, world, tokens, hidden, dtype, 3)
         gemma, _ = _norms(hidden, dtype, weight)
         got = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual.clone(), gemma, True)
-        row: dict[str, Any] = {"tokens": tokens, "returned": got is not None}
-        if got is not None:
+        seed = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual.clone(), gemma)
+        swz = av.allreduce_gemma_rms_norm_mxfp8(x.clone(), residual.clone(), gemma, True,
+                                                scale_layout="swizzled_128x4")  # fmt: skip
+        row: dict[str, Any] = {"tokens": tokens, "returned": None not in (got, seed, swz)}
+        if got is not None and seed is not None and swz is not None:
             x_q, x_scale, normed, _ = got
-            want = quantize(normed, "mxfp8", layout="swizzled_128x4")
+            want = quantize(normed, "mxfp8", layout="linear")
             _, vllm_sf = _mxfp8_e4m3_quantize_torch(normed, is_sf_swizzled_layout=True)
             row.update(
                 codes_are_arnorm_quant=_bitwise(x_q, want.data),
-                scale_shape_as_vllm=tuple(x_scale.shape) == tuple(vllm_sf.shape),
-                scale_bytes_equal_vllm_torch_mxfp8=_bitwise(x_scale, vllm_sf),
+                seed_call_scale_shape=list(seed[1].shape),
+                seed_call_scale_dtype=str(seed[1].dtype),
+                seed_call_scales_row_major=_bitwise(seed[1], want.scale) and _bitwise(x_scale, want.scale),
+                seed_call_normed_is_none=seed[2] is None,
+                swizzled_scale_shape_as_vllm=tuple(swz[1].shape) == tuple(vllm_sf.shape),
+                swizzled_scale_bytes_equal_vllm_torch_mxfp8=_bitwise(swz[1], vllm_sf),
             )
         rows.append(row)
     av.close()
-    return {"rows": rows}
+    return {"hidden": hidden, "rows": rows}
 
 
 def lane(rank: int, world: int) -> dict[str, Any]:
