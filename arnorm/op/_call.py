@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import BackendBrokenError, InvalidInputError, PeerError
 from arnorm._types import Output
+from arnorm.op._call_faults import busy_error, is_inference_call, run_in_inference_mode
 from arnorm.op._caller_outputs import check_out_tensors, copy_into, unwritten_destination
 from arnorm.op._check import check_call
 from arnorm.op._comm import CALL_CODES
@@ -30,9 +31,6 @@ if TYPE_CHECKING:
     from arnorm.op._op import AllReduceNorm
 
 __all__ = ["call", "out_check", "returned_out", "trust_weight"]
-
-_TWO_THREADS = "op: called from two threads at once (needs one call at a time per op)"
-
 
 def call(
     self: AllReduceNorm,
@@ -72,9 +70,10 @@ def call(
     inference, so do not pass a tensor that autograd saved for a backward.
     """
     if self._is_compiling():
-        if out is not None:  # fake tensors have no data pointers: everything else is checked
-            check_out_tensors(self._out_rules, out, hidden_states.shape[0])
-        result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale)
+        dests = None
+        if out is not None:  # fake tensors have no data pointers: the custom op tests the overlaps
+            dests = [d for _, d in check_out_tensors(self._out_rules, out, hidden_states.shape[0])]
+        result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale, dests)
         return result if out is None else copy_into(result, out, self._inplace)
     owner = self._owner  # 0 at TP 1; else the thread that owns the group (arnorm.op._faults)
     if owner and owner != get_ident():
@@ -91,6 +90,15 @@ def call(
                     return result
                 return returned_out(self, result[0], out, hidden_states)
             declined = True
+    if self._inplace or out is not None:  # the call writes into hidden_states or out
+        try:
+            relay = hidden_states.is_inference() if out is None else is_inference_call(hidden_states, out)
+        except AttributeError:  # not a tensor: the check below names it
+            relay = False
+        if relay:  # made under torch.inference_mode(): torch allows the writes only there
+            result = run_in_inference_mode(call, self, hidden_states, residual, weight, scale, out=out)
+            if result is not NotImplemented:
+                return result  # type: ignore[no-any-return]
     if self._check_calls:
         if self._closed:  # a closed op holds no group to agree over
             raise self._closed_error()
@@ -104,7 +112,7 @@ def call(
     try:
         token.pop()
     except IndexError:
-        raise InvalidInputError(_TWO_THREADS) from None
+        raise busy_error(self, CALL_CODES) from None
     try:
         fast = None
         sp = rp = rn = 0  # no residual: an empty range at 0, which no output or input overlaps
