@@ -24,6 +24,7 @@ from arnorm.op._comm import CALL_CODES
 from arnorm.op._custom_op import call_custom_op
 from arnorm.op._faults import call_failed, thread_error
 from arnorm.op._guards import agree_call, guard, no_backend
+from arnorm.op._steps import call_rejected
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from arnorm.op._op import AllReduceNorm
 
 __all__ = ["call", "out_check", "returned_out", "trust_weight"]
+
 
 def call(
     self: AllReduceNorm,
@@ -98,16 +100,21 @@ def call(
         if relay:  # made under torch.inference_mode(): torch allows the writes only there
             result = run_in_inference_mode(call, self, hidden_states, residual, weight, scale, out=out)
             if result is not NotImplemented:
-                return result  # type: ignore[no-any-return]
+                return result
     if self._check_calls:
         if self._closed:  # a closed op holds no group to agree over
             raise self._closed_error()
         if self._poisoned is not None:  # before agreeing: the peers' ops are poisoned too
             raise PeerError(self._poisoned)
         self._seq += 1
-        agree_call(
-            self._comm, self._rules, self._seq, hidden_states, residual, weight, scale, out_check(self, out)
-        )
+        try:
+            check = out_check(self, out)
+            agree_call(self._comm, self._rules, self._seq, hidden_states, residual, weight, scale, check)
+        except InvalidInputError:
+            raise  # the same error on every rank, none of which entered the collective
+        except BaseException as exc:  # a timeout, a peer's note, an interrupt: the ranks may part here
+            call_failed(self, exc, sys._getframe())
+            raise
     token = self._token
     try:
         token.pop()
@@ -250,6 +257,9 @@ def call(
         if out is not None:
             result = returned_out(self, result, out, hidden_states)
         return guard(result, hidden_states, residual, weight) if grad else result
+    except BaseException:
+        call_rejected(self, sys._getframe())  # before its collective: tell the peers (arnorm.op._steps)
+        raise
     finally:
         token.append(None)
 
