@@ -23,6 +23,7 @@ from arnorm.op._check import check_call
 from arnorm.op._comm import CALL_CODES
 from arnorm.op._custom_op import call_custom_op
 from arnorm.op._faults import call_failed, thread_error
+from arnorm.op._first_calls import served_by
 from arnorm.op._guards import agree_call, guard, no_backend
 from arnorm.op._steps import call_rejected
 
@@ -286,7 +287,7 @@ def returned_out(self: AllReduceNorm, result: Any, out: Output, hidden_states: A
     where = unwritten_destination(result, out, self._out_rules)
     if not where:
         return result
-    impl = self._table[hidden_states.shape[0]]
+    impl = served_by(self._table[hidden_states.shape[0]])
     names = [n for n, c in zip(self._explanation.chain, self._chain, strict=True) if c is impl]
     name = names[0] if names else self.backend
     msg = (

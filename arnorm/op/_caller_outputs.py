@@ -201,7 +201,7 @@ def check_dests_overlap(rules: OutRules, dests: list[Any], inputs: tuple[Any, ..
     :meth:`OutTrust.check`, for a compiled call whose ``out`` was checked on fake tensors."""
     t = inputs[0].shape[0]
     names = [d[0] for d in _dest_shapes(rules, t)]
-    spans = []
+    spans: list[tuple[Any, int, int]] = []
     for j, d in enumerate(dests):
         start = d.data_ptr()
         end = start + d.numel() * d.element_size()

@@ -20,6 +20,8 @@ from arnorm.op._check import CallRules, needs_scale
 from arnorm.op._comm import CallToken, Comm
 from arnorm.op._custom_op import register_handle, unregister_handle
 from arnorm.op._faults import claim_group, release, track
+from arnorm.op._first_calls import arm as arm_first_calls
+from arnorm.op._first_calls import served_by
 from arnorm.op._guards import Trust, no_backend, with_zero_residual
 from arnorm.op._rendezvous import open_agreement
 from arnorm.registry._capabilities import did_you_mean
@@ -311,6 +313,7 @@ class AllReduceNorm:
         self._consts = tuple(self._accel_state[:6])
         if config.accelerate and not self._check_calls and any(f is not None for f in self._fast_table):
             self._accept = accelerator().accept
+        arm_first_calls(self)  # each backend's result checked on its first call per token count
         self._handle = register_handle(self)
         if comm.world_size > 1:
             # The C helper does not compare threads; no built-in backend has a fast path at TP > 1.
@@ -375,7 +378,7 @@ class AllReduceNorm:
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens runs on."""
-        impl = self._table[self._check_tokens_arg(num_tokens)]
+        impl = served_by(self._table[self._check_tokens_arg(num_tokens)])
         if impl is None:
             raise no_backend(num_tokens)
         return self._explanation.chain[self._chain.index(impl)]
@@ -387,7 +390,7 @@ class AllReduceNorm:
         (zero-copy). ``None`` when the backend serving ``num_tokens`` has no such buffer. The
         buffer belongs to the op: its contents change with every call.
         """
-        impl = self._table[self._check_tokens_arg(num_tokens)]
+        impl = served_by(self._table[self._check_tokens_arg(num_tokens)])
         get = getattr(impl, "input_buffer", None)
         if get is None:
             return None
@@ -400,7 +403,7 @@ class AllReduceNorm:
         if num_tokens is None:
             return self._explanation
         t = self._check_tokens_arg(num_tokens)
-        served = self._table[t]
+        served = served_by(self._table[t])
         skipped = []
         for name, impl in zip(self._explanation.chain, self._chain, strict=True):
             if impl is served:

@@ -54,7 +54,9 @@ def test_compiled_call_refuses_an_out_buffer_overlapping_an_input_like_eager(cle
         x, r, w = _inputs()
         keep = r.clone()
         bad = op.empty_output(3)
-        bad = arnorm.Output(r if field == "normed" else bad.normed, r if field == "residual" else bad.residual, None)
+        bad = arnorm.Output(
+            r if field == "normed" else bad.normed, r if field == "residual" else bad.residual, None
+        )
         message = rf"out\.{field}: overlaps residual \(needs a separate buffer\)"
         with pytest.raises(arnorm.InvalidInputError, match=message):
             op(x, r, w, out=bad)
@@ -124,3 +126,80 @@ def test_tensors_made_under_inference_mode_work_outside_it(clean_env, inplace, w
         for _ in range(2):  # the first call (checked in full) and a trusted one
             got = op(x.clone() if not inplace else torch.inference_mode()(x.clone)(), r, w, out=out)
             assert torch.equal(got.residual, expect_h) and torch.equal(got.normed, expect_y)
+
+
+# -- item 4: a plugin's outputs ---------------------------------------------------------------------
+
+
+class _Returns(fake_backends.AllReduceBackend):
+    """Right until ``bad`` says what to return instead of its Output."""
+
+    name: ClassVar[str] = "returns"
+    bad: ClassVar[list] = [""]
+
+    def __call__(self, hidden_states, residual, weight, scale):
+        got = super().__call__(hidden_states, residual, weight, scale)
+        how = type(self).bad[0]
+        if how == "none":
+            return None
+        if how == "float32 normed":
+            return arnorm.plugin.Output(got.normed.float(), got.residual, got.quant)
+        if how == "short residual":
+            return arnorm.plugin.Output(got.normed, got.residual[:-1], got.quant)
+        if how == "no normed":
+            return arnorm.plugin.Output(None, got.residual, got.quant)
+        return got
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ("none", "NoneType (needs an arnorm.plugin.Output"),
+        ("float32 normed", "Output.normed: dtype torch.float32 (needs torch.bfloat16)"),
+        ("short residual", "Output.residual: shape [2, 32] (needs [3, 32])"),
+        ("no normed", "Output.normed: NoneType (needs a torch.Tensor of shape [3, 32])"),
+    ],
+)
+def test_a_backend_returning_the_wrong_outputs_raises_naming_it(clean_env, monkeypatch, bad, says):
+    """What a backend returns is checked on its first call per token count: missing, mistyped or
+    misshapen outputs raise BackendBrokenError naming the backend, not reach the caller."""
+    monkeypatch.setattr(fake_backends, "Returns", _Returns, raising=False)
+    fake_backends.install(fake_backends.spec("returns", 70, "Returns"))
+    with _op(backend="returns", dtype=torch.bfloat16) as op:
+        x, r, w = (t.bfloat16() for t in _inputs())
+        _Returns.bad[0] = bad
+        try:
+            with pytest.raises(arnorm.BackendBrokenError) as info:
+                op(x.clone(), r, w)
+        finally:
+            _Returns.bad[0] = ""
+        assert str(info.value).startswith(f"backend 'returns': its call for 3 tokens returned {says}"), (
+            info.value
+        )
+        got = op(x.clone(), r, w)  # a right result is then trusted for the token count
+        assert got.normed.dtype == torch.bfloat16 and op.backend_for(3) == "returns"
+        assert op.explain(3).token_backend == "returns"
+
+
+def test_a_fast_path_returning_the_wrong_outputs_raises_naming_it(fastpath, monkeypatch):
+    """The same check for a backend's fast path, reached from the C helper or from Python."""
+    B = fake_backends.FastPathBackend
+    real = B.fast_path
+
+    def bad_fast_path(self):
+        fast = real(self)
+
+        def wrong(*args):
+            got = fast(*args)
+            return None if got is None else arnorm.plugin.Output(got.normed[:1], got.residual, got.quant)
+
+        return wrong
+
+    monkeypatch.setattr(B, "fast_path", bad_fast_path)
+    for accelerate in (True, False):
+        with _op(backend="fastpath", config=arnorm.Config(accelerate=accelerate)) as op:
+            x, r, w = _inputs()
+            with pytest.raises(
+                arnorm.BackendBrokenError, match=r"^backend 'fastpath': .*Output\.normed: shape \[1, 32\]"
+            ):
+                op(x.clone(), r, w)

@@ -1,0 +1,130 @@
+"""A backend's results, checked on its first call per token count, then trusted (like ``out=``).
+
+A plugin's call result used to reach the caller unchecked: a wrong shape, a float32 ``normed`` from a
+bfloat16 op, ``None``. At construction each entry of the op's dispatch tables (the backend's call,
+and its fast path) is wrapped in a :class:`FirstCall`; its first call for a token count checks what
+the backend returned (presence, type, shape, dtype and device of every output) and puts the backend
+itself back in that slot, so valid calls after the first pay nothing. A result that fails raises
+:class:`arnorm.BackendBrokenError` naming the backend; at TP > 1 the op is poisoned as after any
+failed call (the backend's collectives ran, but what else it did is unknown). Results with ``out=``
+are checked by identity with ``out``'s tensors on every call instead (``returned_out``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arnorm._errors import BackendBrokenError
+from arnorm._types import Output, QuantizedActivation
+
+__all__ = ["FirstCall", "arm", "served_by"]
+
+
+class FirstCall:
+    """A dispatch-table entry: call the backend, check its result for this token count, then hand the
+    slot of ``table`` back to the backend (``fast``: the entry is a fast path, ``table[t]`` of which
+    returns ``None`` when it declines, then nothing is checked)."""
+
+    __slots__ = ("backend", "fast", "name", "op", "table")
+
+    def __init__(self, backend: Any, table: list[Any], name: str, op: Any, fast: bool) -> None:
+        self.backend, self.table, self.name, self.op, self.fast = backend, table, name, op, fast
+
+    def __call__(self, *args: Any) -> Any:
+        result = self.backend(*args)
+        if self.fast:
+            t, hidden_states = args[0], args[1]
+            if result is None or args[5] is not None:  # declined, or out= (checked by identity)
+                return result
+        else:
+            hidden_states = args[0]
+            t = hidden_states.shape[0]
+        problem = check_result(self.op, result, t)
+        if problem:
+            raise BackendBrokenError(
+                f"backend {self.name!r}: its call for {t} tokens returned {problem}; fix or report the "
+                "plugin, or disable it (ARNORM_DISABLE)",
+                self.op._explanation,
+            )
+        if self.table[t] is self:  # not poisoned or closed meanwhile
+            self.table[t] = self.backend
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    def __repr__(self) -> str:
+        return f"FirstCall({self.backend!r})"
+
+
+def served_by(entry: Any) -> Any:
+    """The backend behind a dispatch-table entry."""
+    return entry.backend if type(entry) is FirstCall else entry
+
+
+def arm(op: Any) -> None:
+    """Wrap every entry of ``op``'s call and fast-path tables (in place: the C helper holds the
+    fast-path list) in a :class:`FirstCall`, one per backend and table."""
+    for table, fast in ((op._fast_table, True), (op._table, False)):  # named by the call table
+        wrappers: dict[int, FirstCall] = {}
+        for t, entry in enumerate(table):
+            if entry is None:
+                continue
+            w = wrappers.get(id(entry))
+            if w is None:
+                w = wrappers[id(entry)] = FirstCall(entry, table, _served_name(op, t), op, fast)
+            table[t] = w
+
+
+def _served_name(op: Any, t: int) -> str:
+    """The name of the backend serving ``t`` tokens (a fast path is its backend's)."""
+    impl = served_by(op._table[t])
+    for name, c in zip(op._explanation.chain, op._chain, strict=True):
+        if c is impl:
+            return str(name)
+    return str(op._explanation.chain[0])
+
+
+def _tensor(what: str, got: Any, shape: tuple[int, ...], dtype: Any, device: Any) -> str:
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        return f"{what}: {type(got).__name__} (needs a torch.Tensor of shape {list(shape)})"
+    if tuple(got.shape) != shape:
+        return f"{what}: shape {list(got.shape)} (needs {list(shape)})"
+    if got.dtype != dtype:
+        return f"{what}: dtype {got.dtype} (needs {dtype})"
+    if got.device != device:
+        return f"{what}: device {got.device} (needs {device}, the op's device)"
+    return ""
+
+
+def check_result(op: Any, result: Any, t: int) -> str:
+    """What is wrong with ``result`` as ``op``'s output for ``t`` tokens (``""``: nothing)."""
+    from arnorm.op._caller_outputs import OutRules, _dest_shapes
+
+    if not isinstance(result, Output):
+        return f"{type(result).__name__} (needs an arnorm.plugin.Output(normed, residual, quant))"
+    rules: OutRules = op._out_rules
+    h, dtype, device = rules.hidden, rules.dtype, rules.device
+    wrong = _tensor("Output.residual", result.residual, (t, h), dtype, device)
+    if wrong:
+        return wrong
+    if not rules.normed and result.normed is not None:
+        return "Output.normed: a tensor (needs None: the op was built with normed_output=False)"
+    q = result.quant
+    if rules.quant is None and q is not None:
+        return "Output.quant: a QuantizedActivation (needs None: the op does not quantize)"
+    if rules.quant is not None and not isinstance(q, QuantizedActivation):
+        return f"Output.quant: {type(q).__name__} (needs an arnorm.QuantizedActivation of {rules.quant!r})"
+    fields = {"normed": ("Output.normed", result.normed)}
+    if q is not None:
+        fields["data"] = ("Output.quant.data", q.data)
+        fields["scale"] = ("Output.quant.scale", q.scale)
+    for _, field, shape, want in _dest_shapes(rules, t):
+        if field in fields:
+            what, got = fields[field]
+            wrong = _tensor(what, got, shape, want, device)
+            if wrong:
+                return wrong
+    return ""
