@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import BackendBrokenError, InvalidInputError, PeerError
 from arnorm._types import Output
-from arnorm.op._call_faults import busy_error, is_inference_call, run_in_inference_mode
+from arnorm.op._call_faults import (
+    busy_error,
+    is_inference_call,
+    retry_in_inference_mode,
+    run_in_inference_mode,
+)
 from arnorm.op._caller_outputs import check_out_tensors, copy_into, unwritten_destination
 from arnorm.op._check import check_call
 from arnorm.op._comm import CALL_CODES
@@ -79,8 +84,15 @@ def call(
         result = call_custom_op(self, self._handle, hidden_states, residual, weight, scale, dests)
         return result if out is None else copy_into(result, out, self._inplace)
     owner = self._owner  # 0 at TP 1; else the thread that owns the group (arnorm.op._faults)
-    if owner and owner != get_ident():
-        raise thread_error(owner)
+    if owner:
+        if owner != get_ident():
+            raise thread_error(owner)
+        if (self._inplace or out is not None) and is_inference_call(hidden_states, out):
+            # Made under torch.inference_mode(): the writes after the collective are allowed only
+            # there (at TP 1, a call that failed on them is made again there: see below).
+            result = run_in_inference_mode(call, self, hidden_states, residual, weight, scale, out=out)
+            if result is not NotImplemented:
+                return result
     declined = False  # the backend's fast path returned None for this call: __call__ serves it
     accept = self._accept  # None with check_calls, or without the C helper
     if accept is not None:  # the C helper: this function's test (a subset of it), then fast(...)
@@ -93,15 +105,6 @@ def call(
                     return result
                 return returned_out(self, result[0], out, hidden_states)
             declined = True
-    if self._inplace or out is not None:  # the call writes into hidden_states or out
-        try:
-            relay = hidden_states.is_inference() if out is None else is_inference_call(hidden_states, out)
-        except AttributeError:  # not a tensor: the check below names it
-            relay = False
-        if relay:  # made under torch.inference_mode(): torch allows the writes only there
-            result = run_in_inference_mode(call, self, hidden_states, residual, weight, scale, out=out)
-            if result is not NotImplemented:
-                return result
     if self._check_calls:
         if self._closed:  # a closed op holds no group to agree over
             raise self._closed_error()
@@ -258,11 +261,15 @@ def call(
         if out is not None:
             result = returned_out(self, result, out, hidden_states)
         return guard(result, hidden_states, residual, weight) if grad else result
-    except BaseException:
-        call_rejected(self, sys._getframe())  # before its collective: tell the peers (arnorm.op._steps)
-        raise
+    except BaseException as exc:
+        if not retry_in_inference_mode(self, exc, hidden_states, out):
+            call_rejected(self, sys._getframe())  # before its collective: tell the peers (op._steps)
+            raise
     finally:
         token.append(None)
+    # TP 1, tensors made under torch.inference_mode(): no collective ran, so the call is made again
+    # there, where torch allows its writes (valid calls never get here).
+    return run_in_inference_mode(call, self, hidden_states, residual, weight, scale, out=out)
 
 
 def _requires_grad(hidden_states: Any, residual: Any, weight: Any) -> bool:

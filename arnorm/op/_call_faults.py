@@ -8,7 +8,10 @@ more for them:
   the op's own call on the same thread (a backend or hook calling back), or two threads at once;
 - inputs or ``out=`` buffers made under ``torch.inference_mode()`` reach the backend inside
   inference mode, where torch allows the in-place writes of the call (outside it, the first write
-  into such a tensor raises after the collective);
+  into such a tensor raises, after the collective and after the write). At TP > 1 one
+  ``is_inference()`` test per call sends them there before anything is sent. At TP 1 (no
+  collective) valid calls pay nothing: a call that raised on such tensors is made again there when
+  it wrote only into ``out``, and an in-place one raises :class:`InvalidInputError` saying so;
 - a call rejected on this rank before its collective tells the peers in that collective's slot,
   and a failure of check mode's agreement poisons the op (:mod:`arnorm.op._steps`).
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 from arnorm._errors import InvalidInputError
 
-__all__ = ["busy_error", "is_inference_call", "run_in_inference_mode"]
+__all__ = ["busy_error", "is_inference_call", "retry_in_inference_mode", "run_in_inference_mode"]
 
 _TWO_THREADS = "op: called from two threads at once (needs one call at a time per op)"
 _REENTERED = (
@@ -56,6 +59,30 @@ def is_inference_call(hidden_states: Any, out: Any) -> bool:
     except (AttributeError, TypeError):
         pass
     return False
+
+
+def retry_in_inference_mode(op: Any, exc: BaseException, hidden_states: Any, out: Any) -> bool:
+    """After a call of ``op`` raised ``exc`` at TP 1 (no collective), outside inference mode, on
+    tensors made under ``torch.inference_mode()``: ``True`` when the call is to be made again inside
+    inference mode (it wrote only into ``out``, which the retry writes in full); for an in-place op
+    raise :class:`InvalidInputError` from ``exc`` (torch raises after the write: ``hidden_states``
+    may already hold the new residual, so the call cannot be made again); else ``False``."""
+    if not isinstance(exc, RuntimeError) or op._comm.world_size != 1:
+        return False
+    if not (op._inplace or out is not None) or not is_inference_call(hidden_states, out):
+        return False
+    import torch
+
+    if torch.is_inference_mode_enabled():
+        return False
+    if not op._inplace:
+        return True
+    raise InvalidInputError(
+        "hidden_states: an inference tensor (made under torch.inference_mode()) written in place "
+        "outside inference mode, which torch refuses after the write (hidden_states may already hold "
+        "the new residual) (needs the call inside torch.inference_mode(), as engines make it, or a "
+        "tensor made outside it; at TP > 1 such calls run in inference mode by themselves)"
+    ) from exc
 
 
 def run_in_inference_mode(call: Any, op: Any, *args: Any, out: Any) -> Any:
