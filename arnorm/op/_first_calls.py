@@ -12,6 +12,7 @@ are checked by identity with ``out``'s tensors on every call instead (``returned
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from arnorm._errors import BackendBrokenError
@@ -22,13 +23,14 @@ __all__ = ["FirstCall", "arm", "served_by"]
 
 class FirstCall:
     """A dispatch-table entry: call the backend, check its result for this token count, then hand the
-    slot of ``table`` back to the backend (``fast``: the entry is a fast path, ``table[t]`` of which
-    returns ``None`` when it declines, then nothing is checked)."""
+    op's slot back to the backend (``fast``: the entry is in the fast-path table, whose functions
+    return ``None`` when they decline; then nothing is checked). The op is held weakly: a table
+    holding an entry that held the op would keep a dropped op, and its groups, for the collector."""
 
-    __slots__ = ("backend", "fast", "name", "op", "table")
+    __slots__ = ("backend", "fast", "name", "op")
 
-    def __init__(self, backend: Any, table: list[Any], name: str, op: Any, fast: bool) -> None:
-        self.backend, self.table, self.name, self.op, self.fast = backend, table, name, op, fast
+    def __init__(self, backend: Any, name: str, op: Any, fast: bool) -> None:
+        self.backend, self.name, self.op, self.fast = backend, name, weakref.ref(op), fast
 
     def __call__(self, *args: Any) -> Any:
         result = self.backend(*args)
@@ -39,15 +41,19 @@ class FirstCall:
         else:
             hidden_states = args[0]
             t = hidden_states.shape[0]
-        problem = check_result(self.op, result, t)
+        op = self.op()
+        if op is None:
+            return result
+        problem = check_result(op, result, t)
         if problem:
             raise BackendBrokenError(
                 f"backend {self.name!r}: its call for {t} tokens returned {problem}; fix or report the "
                 "plugin, or disable it (ARNORM_DISABLE)",
-                self.op._explanation,
+                op._explanation,
             )
-        if self.table[t] is self:  # not poisoned or closed meanwhile
-            self.table[t] = self.backend
+        table = op._fast_table if self.fast else op._table
+        if table[t] is self:  # not poisoned or closed meanwhile
+            table[t] = self.backend
         return result
 
     def __getattr__(self, name: str) -> Any:
@@ -72,7 +78,7 @@ def arm(op: Any) -> None:
                 continue
             w = wrappers.get(id(entry))
             if w is None:
-                w = wrappers[id(entry)] = FirstCall(entry, table, _served_name(op, t), op, fast)
+                w = wrappers[id(entry)] = FirstCall(entry, _served_name(op, t), op, fast)
             table[t] = w
 
 
