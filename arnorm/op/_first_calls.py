@@ -110,7 +110,11 @@ def check_result(op: Any, result: Any, t: int) -> str:
     from arnorm.op._caller_outputs import OutRules, _dest_shapes
 
     if not isinstance(result, Output):
-        return f"{type(result).__name__} (needs an arnorm.plugin.Output(normed, residual, quant))"
+        if result is None or isinstance(result, tuple):
+            what = "None" if result is None else f"a {type(result).__name__} of {len(result)} items"
+        else:
+            what = f"a {type(result).__name__}"
+        return f"{what} (needs an arnorm.plugin.Output(normed, residual, quant))"
     rules: OutRules = op._out_rules
     h, dtype, device = rules.hidden, rules.dtype, rules.device
     wrong = _tensor("Output.residual", result.residual, (t, h), dtype, device)

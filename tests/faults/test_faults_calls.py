@@ -159,7 +159,7 @@ class _Returns(fake_backends.AllReduceBackend):
 @pytest.mark.parametrize(
     ("bad", "says"),
     [
-        ("none", "NoneType (needs an arnorm.plugin.Output"),
+        ("none", "None (needs an arnorm.plugin.Output"),
         ("float32 normed", "Output.normed: dtype torch.float32 (needs torch.bfloat16)"),
         ("short residual", "Output.residual: shape [2, 32] (needs [3, 32])"),
         ("no normed", "Output.normed: NoneType (needs a torch.Tensor of shape [3, 32])"),

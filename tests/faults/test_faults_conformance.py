@@ -7,13 +7,10 @@ reads its outcome and message from the JUnit XML report.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from suite_report import suite_report
 
 pytestmark = pytest.mark.slow
 
@@ -55,35 +52,8 @@ class TestNotInvariant(ConformanceSuite):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict[str, tuple[str, str]]:
     root = tmp_path_factory.mktemp("suite")
-    (root / "test_planted_suites.py").write_text(SUITES)
-    for name, text in PLANTED.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ARNORM_")}
-    paths = (str(root), str(HERE), str(HERE.parent / "testing"), env.get("PYTHONPATH", ""))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    xml = root / "report.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root)]
-    cmd += [
-        "-k",
-        "matches_reference or batch_invariant",
-        f"--junitxml={xml}",
-        str(root / "test_planted_suites.py"),
-    ]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    tail = proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert xml.exists(), f"pytest wrote no report (exit {proc.returncode}):\n{tail}"
-    out = {}
-    for case in ET.parse(xml).iter("testcase"):
-        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}.{case.get('name')}"
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = (node.get("message") or "") + "\n" + (node.text or "")
-        out[name] = (outcome, message)
-    return out
+    paths = [str(HERE), str(HERE.parent / "testing")]
+    return suite_report(root, SUITES, PLANTED, paths, "matches_reference or batch_invariant")
 
 
 @pytest.mark.parametrize(("cls", "says"), [
