@@ -89,7 +89,7 @@ def call(
             raise thread_error(owner)
         if (self._inplace or out is not None) and is_inference_call(hidden_states, out):
             # Made under torch.inference_mode(): the writes after the collective are allowed only
-            # there (at TP 1, a call that failed on them is made again there: see below).
+            # there (TP 1 pays nothing for this test: see the end of this function).
             result = run_in_inference_mode(call, self, hidden_states, residual, weight, scale, out=out)
             if result is not NotImplemented:
                 return result
