@@ -33,8 +33,8 @@ __all__ = ["CLOSED", "CallToken", "Comm"]
 #: What a closed op says; the op's dispatch and its comm both raise it.
 CLOSED = "op: closed (needs a new arnorm.AllReduceNorm)"
 
-#: Header statuses.
-_OK, _POISON = 0, 1
+#: Header statuses: a call's collective follows; the sender's op failed; the sender rejected the call.
+_OK, _POISON, _SKIP = 0, 1, 2
 #: Work objects of poison headers nobody waits for, kept alive with their communicator.
 _UNWAITED: list[Any] = []
 
@@ -89,8 +89,8 @@ class Comm:
     """
 
     __slots__ = (
-        "_broken", "_data", "_stepped", "calls", "channel", "cpu_group", "device", "group", "rank",
-        "world_size",
+        "_broken", "_data", "_stepped", "calls", "channel", "cpu_group", "device", "group", "mid_step",
+        "rank", "world_size",
     )  # fmt: skip
 
     def __init__(self, group: Any, device: torch.device, cpu_group: Any = None) -> None:
@@ -105,6 +105,8 @@ class Comm:
         self.calls = 0
         self._stepped = False
         self._broken = ""
+        #: A step's header is out and its data collective is not (arnorm.comm._steps).
+        self.mid_step = False
         if group is None:
             self.rank, self.world_size = 0, 1
             return
@@ -193,6 +195,11 @@ class Comm:
         """Whether :attr:`calls` counts the op's calls (its data collectives carry headers)."""
         return self._data is not None
 
+    @property
+    def stepped(self) -> bool:
+        """Whether the call in progress reached its data collective (its header went out)."""
+        return self._stepped
+
     def call_number(self) -> int:
         """The number of the call in progress: :attr:`calls` once it reached its data collective,
         else the next one."""
@@ -206,9 +213,23 @@ class Comm:
         if self._data is None or self._broken:
             return
         self._broken = message
+        # Mid-step, the peers wait for this step's data: a header there would pair with it, and
+        # only the note (read by their polled waits) can tell them.
+        if not self.mid_step:
+            self._send_unwaited(self.calls + 1, _POISON)
+
+    def skip(self) -> None:
+        """This rank rejected a call before its collective: occupy that collective's step with a
+        skip header, never waited for (peers that made the call raise; arnorm.comm._steps)."""
+        if self._data is None or self._broken:
+            return
+        self.calls += 1
+        self._send_unwaited(self.calls, _SKIP)
+
+    def _send_unwaited(self, step: int, status: int) -> None:
         import torch
 
-        header = torch.tensor([self.calls + 1, _POISON, 0], dtype=torch.int64)
+        header = torch.tensor([step, status, 0], dtype=torch.int64)
         parts = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
         # The communicator may already be gone: the peers' waits then end at their timeout.
         with contextlib.suppress(Exception):
@@ -226,9 +247,17 @@ class Comm:
         self.calls += 1
         header = torch.tensor([self.calls, _OK, numel], dtype=torch.int64)
         parts = [torch.empty(3, dtype=torch.int64) for _ in range(self.world_size)]
+        self.mid_step = True  # cleared once the data collective is issued (_issued)
         self._wait(self._data.allgather([parts], [header]), "call")
         seen = [p.tolist() for p in parts]
         for r, (step, status, _) in enumerate(seen):
+            if status == _SKIP:
+                raise self._fail(
+                    f"op out of step on rank {r}: it rejected its call {step} before the collective "
+                    "(its error is raised there) while this rank made the call; build a new op (needs "
+                    "the same calls on every rank; ARNORM_CHECK_CALLS=1 makes every rank raise the "
+                    "rejection itself, with its reason, and keeps the op usable)"
+                )
             if status == _POISON:
                 note = self.channel.note(r) if self.channel is not None else None
                 raise self._fail(
@@ -255,7 +284,16 @@ class Comm:
         self._broken = message
         return PeerError(message)
 
+    def _issued(self, work: Any) -> Any:
+        self.mid_step = False
+        return work
+
     def _wait(self, work: Any, what: str) -> None:
+        from arnorm.comm._steps import wait_work
+
+        note = wait_work(work, self.channel, self.rank, self.world_size)
+        if note is not None:
+            raise self._fail(note)
         try:
             work.wait()
         except Exception as exc:
@@ -301,7 +339,7 @@ class Comm:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         if self._data is not None:
             self._step(tensor.numel())
-            self._wait(self._data.allgather([parts], [tensor.contiguous()]), "call")
+            self._wait(self._issued(self._data.allgather([parts], [tensor.contiguous()])), "call")
             return parts
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return parts
@@ -319,9 +357,8 @@ class Comm:
             return out
         if self._data is not None:
             self._step(tensor.numel())
-            self._wait(
-                self._data._allgather_base(out.view(-1, *tensor.shape[1:]), tensor.contiguous()), "call"
-            )
+            work = self._data._allgather_base(out.view(-1, *tensor.shape[1:]), tensor.contiguous())
+            self._wait(self._issued(work), "call")
             return out
         # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -334,7 +371,7 @@ class Comm:
 
         if self._data is not None:
             self._step(tensor.numel())
-            self._wait(self._data.allreduce([tensor]), "call")
+            self._wait(self._issued(self._data.allreduce([tensor])), "call")
         elif self.group is not None:
             dist.all_reduce(tensor, group=self.group)
         return tensor

@@ -17,19 +17,25 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import BackendBrokenError, InvalidInputError, PeerError
 from arnorm._types import Output
+from arnorm.comm._steps import call_rejected
+from arnorm.op._call_faults import (
+    busy_error,
+    is_inference_call,
+    retry_in_inference_mode,
+    run_in_inference_mode,
+)
 from arnorm.op._caller_outputs import check_out_tensors, copy_into, unwritten_destination
 from arnorm.op._check import check_call
 from arnorm.op._custom_op import call_custom_op
 from arnorm.op._dispatch import Dispatch, Dispatched, closed_error
 from arnorm.op._faults import call_failed, thread_error
+from arnorm.op._first_calls import served_by
 from arnorm.op._guards import agree_call, guard, no_backend
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["call", "out_check", "returned_out", "trust_weight"]
-
-_TWO_THREADS = "op: called from two threads at once (needs one call at a time per op)"
 
 
 def call(
@@ -71,13 +77,21 @@ def call(
     """
     d = self._dispatch  # the call reads this one object (arnorm.op._dispatch), nothing else of the op
     if d.is_compiling():
-        if out is not None:  # fake tensors have no data pointers: everything else is checked
-            check_out_tensors(d.out_rules, out, hidden_states.shape[0])
-        result = call_custom_op(self, d.handle, hidden_states, residual, weight, scale)
+        dests = None
+        if out is not None:  # fake tensors have no data pointers: the custom op tests the overlaps
+            dests = [t for _, t in check_out_tensors(d.out_rules, out, hidden_states.shape[0])]
+        result = call_custom_op(self, d.handle, hidden_states, residual, weight, scale, dests)
         return result if out is None else copy_into(result, out, d.inplace)
     owner = d.owner  # 0 at TP 1; else the thread that owns the group (arnorm.op._faults)
-    if owner and owner != get_ident():
-        raise thread_error(owner)
+    if owner:
+        if owner != get_ident():
+            raise thread_error(owner)
+        if (d.inplace or out is not None) and is_inference_call(hidden_states, out):
+            # Made under torch.inference_mode(): the writes after the collective are allowed only
+            # there (TP 1 pays nothing for this test: see the end of this function).
+            result = run_in_inference_mode(call, self, hidden_states, residual, weight, scale, out=out)
+            if result is not NotImplemented:
+                return result
     declined = False  # the backend's fast path returned None for this call: __call__ serves it
     accept = d.accept  # None with check_calls, or without the C helper
     if accept is not None:  # the C helper: this function's test (a subset of it), then fast(...)
@@ -96,12 +110,18 @@ def call(
         if d.poisoned is not None:  # before agreeing: the peers' ops are poisoned too
             raise PeerError(d.poisoned)
         d.seq += 1
-        agree_call(d.comm, d.rules, d.seq, hidden_states, residual, weight, scale, out_check(d, out))
+        try:
+            agree_call(d.comm, d.rules, d.seq, hidden_states, residual, weight, scale, out_check(d, out))
+        except InvalidInputError:
+            raise  # the same error on every rank, none of which entered the collective
+        except BaseException as exc:  # a timeout, a peer's note, an interrupt: the ranks may part here
+            call_failed(self, exc)
+            raise
     token = d.token
     try:
         token.pop()
     except IndexError:
-        raise InvalidInputError(_TWO_THREADS) from None
+        raise busy_error(self, _CALL_CODES) from None
     try:
         fast = None
         sp = rp = rn = 0  # no residual: an empty range at 0, which no output or input overlaps
@@ -240,8 +260,15 @@ def call(
         if out is not None:
             result = returned_out(d, result, out, hidden_states)
         return guard(result, hidden_states, residual, weight) if grad else result
+    except BaseException as exc:
+        if not retry_in_inference_mode(self, exc, hidden_states, out):
+            call_rejected(self)  # before its collective: tell the peers (comm._steps)
+            raise
     finally:
         token.append(None)
+    # TP 1, tensors made under torch.inference_mode(): no collective ran, so the call is made again
+    # there, where torch allows its writes (valid calls never get here).
+    return run_in_inference_mode(call, self, hidden_states, residual, weight, scale, out=out)
 
 
 def _requires_grad(hidden_states: Any, residual: Any, weight: Any) -> bool:
@@ -266,7 +293,7 @@ def returned_out(d: Dispatch, result: Any, out: Output, hidden_states: Any) -> O
     where = unwritten_destination(result, out, d.out_rules)
     if not where:
         return result
-    impl = d.table[hidden_states.shape[0]]
+    impl = served_by(d.table[hidden_states.shape[0]])
     names = [n for n, c in zip(d.names, d.chain, strict=True) if c is impl]
     name = names[0] if names else d.names[0]
     msg = (
@@ -296,3 +323,7 @@ def trust_weight(d: Dispatch, weight: Any, ptr: int) -> bool:
         d.last_weight, d.last_wptr = weight, ptr
         return True
     return False
+
+
+#: A busy call token means re-entry when one of these runs on this thread for the same op.
+_CALL_CODES = (call.__code__,)

@@ -33,6 +33,7 @@ __all__ = [
     "OutTrust",
     "Spans",
     "check_out",
+    "check_dests_overlap",
     "check_out_tensors",
     "copy_into",
     "empty_output",
@@ -192,6 +193,25 @@ def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any
         for arg, (_, s, e, _) in zip(names, spans.dests, strict=True):
             if s < b and a < e:
                 raise InvalidInputError(f"{arg}: overlaps {name} (needs a separate buffer)")
+
+
+def check_dests_overlap(rules: OutRules, dests: list[Any], inputs: tuple[Any, ...]) -> None:
+    """Raise when two of ``dests`` (``out``'s destinations in :func:`_dest_shapes`' order, already
+    checked on their own) share a byte, or one shares a byte with an input of ``inputs``
+    (``hidden_states, residual, weight, scale``): the byte tests of :func:`check_out` and
+    :meth:`OutTrust.check`, for a compiled call whose ``out`` was checked on fake tensors."""
+    t = inputs[0].shape[0]
+    names = [d[0] for d in _dest_shapes(rules, t)]
+    spans: list[tuple[Any, int, int, Any]] = []
+    for j, d in enumerate(dests):
+        start = d.data_ptr()
+        end = start + d.numel() * d.element_size()
+        for i, (_, a, b, _) in enumerate(spans):
+            if start < b and a < end:
+                raise InvalidInputError(f"{names[j]}: overlaps {names[i]} (needs a separate buffer)")
+        spans.append((d, start, end, d.shape))
+    labels = ("hidden_states", "residual", "weight", "scale")
+    check_out_inputs(Spans(t, tuple(spans)), rules, tuple(zip(labels, inputs, strict=True)))
 
 
 class OutTrust:

@@ -39,7 +39,10 @@ def register_handle(op: object) -> int:
 
 
 def unregister_handle(handle: int) -> None:
-    _ops.pop(handle, None)
+    """``op.close()``: nothing to forget. A closed op keeps its handle until it is freed, so that
+    compiled code still calling it gets the eager call's error ("op: closed ...") rather than a
+    lookup failure; the weak reference drops the entry once the op is gone."""
+    return None
 
 
 def live_handles() -> int:
@@ -51,9 +54,24 @@ def _lookup(handle: int) -> Any:
     ref = _ops.get(handle)
     op = ref() if ref is not None else None
     if op is None:
-        msg = f"handle: {handle} (needs a live arnorm.AllReduceNorm; this one was closed or collected)"
-        raise RuntimeError(msg)
+        # What the eager call of a closed op raises: compiled code keeps calling the op it was
+        # compiled with (closed, or freed once nothing else held it).
+        from arnorm._errors import InvalidInputError
+
+        raise InvalidInputError(
+            "op: closed (needs a new arnorm.AllReduceNorm; this compiled code calls the op it was "
+            "compiled with, which was closed or freed: compile the code again with the new op)"
+        )
     return op
+
+
+def _check_dests(op: Any, dests: Any, hidden_states: Any, residual: Any, weight: Any, scale: Any) -> None:
+    """``out=``'s destinations against the call's inputs, on real tensors: what the eager call tests
+    (a compiled call could only check shapes and dtypes, on fake tensors, when it was traced)."""
+    if dests:
+        from arnorm.op._caller_outputs import check_dests_overlap
+
+        check_dests_overlap(op._out_rules, list(dests), (hidden_states, residual, weight, scale))
 
 
 def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
@@ -132,8 +150,8 @@ def _define_ops() -> None:
         @torch.library.custom_op(
             "arnorm::all_reduce_norm_",
             mutates_args=("hidden_states",),
-            schema="(int handle, Tensor(a!) hidden_states, Tensor? residual, Tensor weight, Tensor? scale)"
-            " -> (Tensor, Tensor, Tensor)",
+            schema="(int handle, Tensor(a!) hidden_states, Tensor? residual, Tensor weight, Tensor? scale,"
+            " Tensor[]? dests=None) -> (Tensor, Tensor, Tensor)",
         )
         def all_reduce_norm_(
             handle: int,
@@ -141,18 +159,21 @@ def _define_ops() -> None:
             residual: torch.Tensor | None,
             weight: torch.Tensor,
             scale: torch.Tensor | None,
+            dests: list[torch.Tensor] | None = None,
         ) -> tuple[torch.Tensor, ...]:
-            return _flatten(_lookup(handle)(hidden_states, residual, weight, scale), hidden_states, False)
+            op = _lookup(handle)
+            _check_dests(op, dests, hidden_states, residual, weight, scale)
+            return _flatten(op(hidden_states, residual, weight, scale), hidden_states, False)
 
         @all_reduce_norm_.register_fake
-        def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
+        def _(handle, hidden_states, residual, weight, scale, dests=None):  # type: ignore[no-untyped-def]
             return _fake_outputs(_lookup(handle), hidden_states, False)
 
         @torch.library.custom_op(
             "arnorm::all_reduce_norm",
             mutates_args=(),
-            schema="(int handle, Tensor hidden_states, Tensor? residual, Tensor weight, Tensor? scale)"
-            " -> (Tensor, Tensor, Tensor, Tensor)",
+            schema="(int handle, Tensor hidden_states, Tensor? residual, Tensor weight, Tensor? scale,"
+            " Tensor[]? dests=None) -> (Tensor, Tensor, Tensor, Tensor)",
         )
         def all_reduce_norm(
             handle: int,
@@ -160,15 +181,17 @@ def _define_ops() -> None:
             residual: torch.Tensor | None,
             weight: torch.Tensor,
             scale: torch.Tensor | None,
+            dests: list[torch.Tensor] | None = None,
         ) -> tuple[torch.Tensor, ...]:
             op = _lookup(handle)
+            _check_dests(op, dests, hidden_states, residual, weight, scale)
             # The functional op never writes its inputs; an in-place op reaches it only with autograd
             # recording (see the module docstring) and works on a copy.
             hs = hidden_states.clone() if op._problem.inplace else hidden_states
             return _flatten(op(hs, residual, weight, scale), hs, True)
 
         @all_reduce_norm.register_fake
-        def _(handle, hidden_states, residual, weight, scale):  # type: ignore[no-untyped-def]
+        def _(handle, hidden_states, residual, weight, scale, dests=None):  # type: ignore[no-untyped-def]
             return _fake_outputs(_lookup(handle), hidden_states, True)
 
         # The backward is an op of its own: AOT autograd traces it at compile time through the
@@ -199,7 +222,8 @@ def _define_ops() -> None:
                 else torch.ops.arnorm.inference_only(torch.empty(m[0], dtype=m[1], device=m[2]))
                 for m in ctx.likes
             ]
-            return None, *marks, None
+            # No gradient for the handle, scale and dests (as many as the call passed).
+            return None, *marks, *([None] * (len(ctx.needs_input_grad) - 1 - len(marks)))
 
         all_reduce_norm.register_autograd(backward, setup_context=setup_context)
         _defined = True
@@ -212,8 +236,10 @@ def call_custom_op(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     scale: Any,
+    dests: list[torch.Tensor] | None = None,
 ) -> Output:
-    """The compiled-graph path of ``AllReduceNorm.__call__``."""
+    """The compiled-graph path of ``AllReduceNorm.__call__``; ``dests``: ``out=``'s destinations,
+    tested against the inputs when the graph runs (:func:`_check_dests`)."""
     import torch
 
     grad = torch.is_grad_enabled() and (
@@ -223,14 +249,16 @@ def call_custom_op(
     )
     if op._problem.inplace and grad:
         h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(
-            handle, hidden_states, residual, weight, scale
+            handle, hidden_states, residual, weight, scale, dests
         )
         hidden_states.copy_(h)
         return _unflatten(op, hidden_states, normed, data, qscale, scale)
     if op._problem.inplace:
         normed, data, qscale = torch.ops.arnorm.all_reduce_norm_(
-            handle, hidden_states, residual, weight, scale
+            handle, hidden_states, residual, weight, scale, dests
         )
         return _unflatten(op, hidden_states, normed, data, qscale, scale)
-    h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(handle, hidden_states, residual, weight, scale)
+    h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(
+        handle, hidden_states, residual, weight, scale, dests
+    )
     return _unflatten(op, h, normed, data, qscale, scale)

@@ -21,6 +21,8 @@ from arnorm.op._caller_outputs import empty_output
 from arnorm.op._custom_op import register_handle, unregister_handle
 from arnorm.op._dispatch import Dispatch, build_dispatch, closed_error
 from arnorm.op._faults import claim_group, release, track
+from arnorm.op._first_calls import arm as arm_first_calls
+from arnorm.op._first_calls import served_by
 from arnorm.op._guards import no_backend, with_zero_residual
 from arnorm.registry._capabilities import did_you_mean
 from arnorm.registry._discovery import get_registry
@@ -234,6 +236,7 @@ class AllReduceNorm:
         dispatch = build_dispatch(
             problem, comm, dev, config, explanation, chain, plan.chain, caps, plan.table, owner, handle
         )
+        arm_first_calls(self, dispatch)  # each backend's result checked on its first call per token count
         track(self)
         if comm.channel is not None:
             comm.channel.phase = "calling"
@@ -298,7 +301,7 @@ class AllReduceNorm:
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens runs on."""
-        impl = self._dispatch.table[self._check_tokens_arg(num_tokens)]
+        impl = served_by(self._dispatch.table[self._check_tokens_arg(num_tokens)])
         if impl is None:
             raise no_backend(num_tokens)
         return self._explanation.chain[self._chain.index(impl)]
@@ -310,7 +313,7 @@ class AllReduceNorm:
         (zero-copy). ``None`` when the backend serving ``num_tokens`` has no such buffer. The
         buffer belongs to the op: its contents change with every call.
         """
-        impl = self._dispatch.table[self._check_tokens_arg(num_tokens)]
+        impl = served_by(self._dispatch.table[self._check_tokens_arg(num_tokens)])
         get = getattr(impl, "input_buffer", None)
         if get is None:
             return None
@@ -323,7 +326,7 @@ class AllReduceNorm:
         if num_tokens is None:
             return self._explanation
         t = self._check_tokens_arg(num_tokens)
-        served = self._dispatch.table[t]
+        served = served_by(self._dispatch.table[t])
         skipped = []
         for name, impl in zip(self._explanation.chain, self._chain, strict=True):
             if impl is served:

@@ -74,6 +74,23 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _waited_hint(per_rank: list[list[CaseResult]]) -> str:
+    """When some ranks' call raised ``PeerError`` (they waited in a collective) in a case that other
+    ranks ran to the end: what the first such rank said, and the likely cause."""
+    for rows in zip(*per_rank, strict=True):
+        waited = [r for r, row in enumerate(rows) if row.outcome == "error" and "PeerError" in row.error]
+        ran = [r for r, row in enumerate(rows) if row.outcome not in ("error", "skipped")]
+        if waited and ran:
+            said = rows[waited[0]].error.strip().splitlines()[-1][:400]
+            names = ", ".join(map(str, ran))
+            return (
+                f"\n{rows[0].case.id}: rank {waited[0]}: {said}\n(the backend skipped its collective "
+                f"on rank(s) {names}, or made a different number of them there: every rank's call "
+                "must make the same collectives, in the same order)"
+            )
+    return ""
+
+
 class ConformanceSuite:
     """Base class: set ``backend``; override the class attributes to narrow or widen the sweep.
 
@@ -243,7 +260,7 @@ class ConformanceSuite:
                 if (a.outcome, a.status) != (b.outcome, b.status)
             ]
             if diverged:
-                pytest.fail("ranks ended cases differently:\n" + "\n".join(diverged))
+                pytest.fail("ranks ended cases differently:\n" + "\n".join(diverged) + _waited_hint(per_rank))
             cls._results[key] = per_rank[0]
         return cls._results[key]
 

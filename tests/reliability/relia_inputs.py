@@ -4,11 +4,12 @@ Modes (the scenario name is ``<mode>:<kind>``):
 
 - ``all``: every rank passes the bad argument; no check mode.
 - ``one_checked``: the last rank alone passes it, every rank calls, ``ARNORM_CHECK_CALLS`` is on.
-- ``one_unchecked``: the last rank alone calls, with the bad argument; the others do not call
-  (with them calling, the outcome would be a rank waiting in a collective: not observable safely).
+- ``one_unchecked``: the last rank alone calls, with the bad argument; the others do not call.
+  The rejection fills the slot of the collective it would have made (what tells ranks that did
+  make the call, ``shift_without_check``), so the next good call raises PeerError everywhere.
 
 Each scenario returns ``(call outcome, inputs unchanged, next good call paired)``; the last says
-the op still works and its next collective pairs the same call on every rank.
+whether the op's next collective pairs the same call on every rank (``True``), or how it failed.
 """
 
 from __future__ import annotations
@@ -192,30 +193,26 @@ MODES = ("all", "one_checked", "one_unchecked")
 
 def _shift_without_check(ctx: Ctx) -> tuple:
     """No check mode: the last rank's first call is rejected, the others' is not; then every rank
-    makes two more good calls (the last rank three, so every rank runs two collectives).
+    goes on with two more good calls.
 
-    Returns whether this rank's first collective paired its own call with the others' (correct),
-    or with the last rank's next call (shifted): the documented, silent failure check mode exists for.
+    Returns each call's outcome on this rank: ``("ok", correct)`` or ``("raised", type, message)``.
+    The others' first call used to pair with the last rank's next call (another step's data, no
+    error); the last rank's rejection now fills that collective's slot, so they raise.
     """
     op = _op(ctx, None, checked=False)
-    calls = [_data(ctx, seed) for seed in (10, 11, 12)]
-    results = []
-    if ctx.rank == ctx.last:
-        parts, res, w = calls[0]
-        results.append(_summary(attempt(lambda: op(parts[ctx.rank].double(), res, w))))
-        mine = calls[1:]
-    else:
-        mine = calls[:2]
-    parts, res, w = mine[0]
-    out = op(parts[ctx.rank].clone(), res, w)
-    # What the first collective summed: the others' first call and the last rank's second.
-    mixed = [*calls[0][0][: ctx.last], calls[1][0][ctx.last]]
-    correct = torch.equal(out.residual, add_rmsnorm(rank_order_sum(parts), res, w, EPS, 0.0)[0])
-    shifted = torch.equal(out.residual, add_rmsnorm(rank_order_sum(mixed), res, w, EPS, 0.0)[0])
-    for parts, res, w in mine[1:]:
-        op(parts[ctx.rank].clone(), res, w)
+    got = []
+    for i, seed in enumerate((10, 11, 12)):
+        parts, res, w = _data(ctx, seed)
+        x = parts[ctx.rank].clone()
+        if i == 0 and ctx.rank == ctx.last:
+            x = x.double()
+        outcome = attempt(lambda x=x, r=res, w=w: op(x, r, w))
+        if outcome[0] == "ok":
+            h = add_rmsnorm(rank_order_sum(parts), res, w, EPS, 0.0)[0]
+            outcome = ("ok", torch.equal(outcome[1].residual, h))
+        got.append(outcome)
     op.close()
-    return tuple(results), correct, shifted
+    return tuple(got)
 
 
 #: Kinds whose check raises a RuntimeError today instead of InvalidInputError (no strides, no sizes).

@@ -54,22 +54,34 @@ def test_with_check_calls_a_bad_argument_on_one_rank_fails_every_rank_the_same_w
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("kind", _cases("one_unchecked"))
-def test_without_check_calls_a_rejection_on_one_rank_stays_local(world, kind):
-    """No check mode: the rejecting rank raises before any collective, so the next calls still pair."""
+def test_without_check_calls_a_rejection_on_one_rank_is_told_to_the_others(world, kind):
+    """No check mode: the rejecting rank raises before any collective and writes nothing; its
+    rejection fills the collective's slot (it cannot know whether the others made the call), so
+    the next good call raises PeerError naming it on every rank, never pairing other steps' data
+    (issue 41, item 2; this once said the rejection stayed local)."""
     results = outcomes(world, f"one_unchecked:{kind}")
     *others, last = results
-    assert all(o == (("skipped",), True, True) for o in others), others
-    outcome, unchanged, paired = last
+    assert all(o[:2] == (("skipped",), True) for o in others), others
+    outcome, unchanged, _ = last
     assert outcome[:2] == ("raised", "InvalidInputError"), outcome
     assert outcome[2].startswith(ri.KINDS[kind][2]), outcome[2]
-    assert unchanged and paired is True, (unchanged, paired)
+    assert unchanged
+    told = f"PeerError: op out of step on rank {world - 1}: it rejected its call "  # 2 for w_swapped
+    assert all(isinstance(p, str) and p.startswith(told) for _, _, p in results), results
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_without_check_calls_a_one_rank_rejection_shifts_later_calls_silently(world):
-    """Documented hazard: the others' call pairs with the rejecting rank's next one, no error anywhere."""
+def test_without_check_calls_a_one_rank_rejection_never_shifts_later_calls(world):
+    """The hazard check mode once alone prevented: the others' call would pair with the rejecting
+    rank's next one, with no error. Now the others raise PeerError naming the rejecting rank, every
+    later call raises PeerError, and no rank returns a result."""
     results = outcomes(world, "shift_without_check")
-    for rank, (errors, correct, shifted) in enumerate(results):
-        expected_errors = 1 if rank == world - 1 else 0
-        assert len(errors) == expected_errors and all(e[1] == "InvalidInputError" for e in errors)
-        assert (correct, shifted) == (False, True), (rank, correct, shifted)
+    told = f"op out of step on rank {world - 1}: it rejected its call 1 before the collective"
+    for rank, got in enumerate(results):
+        assert not any(o[0] == "ok" for o in got), (rank, got)
+        first, *later = got
+        if rank == world - 1:
+            assert first[:2] == ("raised", "InvalidInputError"), first
+        else:
+            assert first[:2] == ("raised", "PeerError") and first[2].startswith(told), first
+        assert all(o[:2] == ("raised", "PeerError") for o in later), (rank, later)
