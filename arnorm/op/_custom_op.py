@@ -71,7 +71,7 @@ def _check_dests(op: Any, dests: Any, hidden_states: Any, residual: Any, weight:
     if dests:
         from arnorm.op._caller_outputs import check_dests_overlap
 
-        check_dests_overlap(op._out_rules, list(dests), (hidden_states, residual, weight, scale))
+        check_dests_overlap(op._dispatch.out_rules, list(dests), (hidden_states, residual, weight, scale))
 
 
 def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:

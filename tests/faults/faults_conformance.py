@@ -3,7 +3,8 @@ served to test_faults_conformance.py's suite run through a generated entry point
 
 from __future__ import annotations
 
-from testing_rank_fns import PLANTED_CAPS, Planted, SizeGated
+from arnorm_conformance_fixtures import PLANTED_CAPS
+from arnorm_conformance_fixtures.planted import Planted, SizeGated
 
 from arnorm.plugin import BackendSpec, hookimpl
 

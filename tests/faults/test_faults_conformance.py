@@ -52,7 +52,7 @@ class TestNotInvariant(ConformanceSuite):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict[str, tuple[str, str]]:
     root = tmp_path_factory.mktemp("suite")
-    paths = [str(HERE), str(HERE.parent / "testing")]
+    paths = [str(HERE), str(HERE.parent / "plugins" / "conformance")]
     return suite_report(root, SUITES, PLANTED, paths, "matches_reference or batch_invariant")
 
 
