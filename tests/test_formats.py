@@ -36,8 +36,9 @@ CORE_MODULES_NAMING_FORMATS = {
     "arnorm/_formats.py": "the table itself",
     "arnorm/quant/__init__.py": "the codec registry: one encode / decode pair per format",
     # The vLLM integration's entry points (another room's files): vLLM's own name of each format's
-    # key (``KEY_NAMES``), and the mxfp8 entry point vLLM's model code calls by that format.
-    "arnorm/integrations/_vllm_types.py": "vLLM's key names per format",
+    # key (``KEY_NAMES``; a format vLLM does not name keeps the caller's key, so a new format needs
+    # no line there), and the mxfp8 entry point vLLM's model code calls by that format.
+    "arnorm/integrations/_vllm_types.py": "vLLM's key names of the formats vLLM has",
     "arnorm/integrations/vllm.py": "vLLM's per-format entry points",
 }
 

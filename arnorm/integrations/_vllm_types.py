@@ -28,7 +28,9 @@ class QuantizedActivationStandIn:
     quant_key: Any
 
 
-#: vLLM 0.33's key names (``vllm.model_executor.layers.quantization.utils.quant_utils``) per format.
+#: vLLM 0.33's key names (``vllm.model_executor.layers.quantization.utils.quant_utils``) per format:
+#: vLLM's own spelling, not a fact of the format. A format vLLM does not name keeps the caller's key,
+#: so adding a format to arnorm's table needs no line here.
 KEY_NAMES = {
     "fp8_static": "kFp8StaticTensorSym",
     "fp8_per_token": "kFp8DynamicTokenSym",
@@ -56,7 +58,7 @@ def vllm_key(key: Any, fmt: str) -> Any:
     if not isinstance(key, str):
         return key
     found = _vllm()
-    return getattr(found[1], KEY_NAMES[fmt], key) if found is not None else key
+    return getattr(found[1], KEY_NAMES.get(fmt, ""), key) if found is not None else key
 
 
 def scale_layout_for(key: Any, fmt: str) -> str | None:

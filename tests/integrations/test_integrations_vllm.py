@@ -360,3 +360,18 @@ def test_mxfp8_computes_where_no_fused_backend_serves():
     assert swizzled is not None and _bitwise(swizzled[1], want_swizzled) and swizzled[1].dim() == 1
     with pytest.raises(arnorm.InvalidInputError, match=r"^scale_layout: 'rows' \(needs 'linear' or"):
         av.allreduce_gemma_rms_norm_mxfp8(x, residual, norm, scale_layout="rows")
+
+
+def test_a_format_vllm_does_not_name_keeps_the_callers_key(monkeypatch):
+    """A format added to arnorm's table needs no line in the vLLM key names: vLLM's key where vLLM
+    names the format, else the caller's own key, never a KeyError."""
+    import types
+
+    from arnorm.integrations import _vllm_types
+
+    quant_utils = types.SimpleNamespace(kFp8StaticTensorSym="vllm-fp8-static-key")
+    monkeypatch.setattr(_vllm_types, "_VLLM", [(object, quant_utils)])
+    assert _vllm_types.vllm_key("fp8_static", "fp8_static") == "vllm-fp8-static-key"
+    assert _vllm_types.vllm_key("new_format", "new_format") == "new_format"
+    key = object()
+    assert _vllm_types.vllm_key(key, "fp8_static") is key
