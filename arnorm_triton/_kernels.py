@@ -55,6 +55,7 @@ from arnorm_triton._casts import (
     ue8m0_round_up,
     ue8m0_to_inv_scale,
 )
+from arnorm_triton._sum_order import aten_sum, torch_sum_lanes
 
 __all__ = [
     "INTERPRETED",
@@ -305,7 +306,13 @@ def norm_quant_apply(
     # Step 3: y, with a correctly rounded mean, square root and reciprocal.
     # A power-of-two H could multiply by 1 / H (the same rounding), but on the H200 that made
     # ptxas schedule the normed variants worse (fp8_static, mxfp8 at T 8192: 6-7% slower): kept.
-    mean_sq = tl.div_rn(tl.sum(tl.sum(hf * hf, axis=1), axis=0), HIDDEN * 1.0)
+    # Interpreted, the squares are summed in torch's CPU order (_sum_order.py: bitwise with
+    # torch-native norms there); compiled, in a tree.
+    if _SUM_LANES == 0:
+        sum_sq = tl.sum(tl.sum(hf * hf, axis=1), axis=0)
+    else:
+        sum_sq = aten_sum(tl.reshape(hf * hf, [BLOCK]), HIDDEN, BLOCK, _SUM_LANES)
+    mean_sq = tl.div_rn(sum_sq, HIDDEN * 1.0)
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
     n = hf * inv_rms
     if ROUND_BEFORE_WEIGHT:
@@ -437,3 +444,5 @@ def is_interpreted() -> bool:
 
 
 INTERPRETED: bool = is_interpreted()
+#: The lanes of torch's CPU sum when interpreted (0 when unknown), else 0: norm_quant_apply's order.
+_SUM_LANES = tl.constexpr(torch_sum_lanes() if INTERPRETED else 0)
