@@ -20,11 +20,6 @@ from arnorm.testing import run_ranks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-#: The normed output may differ from vLLM's only by the order in which the statistic's squares are
-#: summed (a Triton tree against torch's mean): at most 1 ulp, on at most this share of the values.
-ORDER_SHARE = 0.005
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def report(request):
     import vllm_lane_ranks
@@ -59,19 +54,18 @@ def test_vllm_quant_keys_map_by_their_fields(report):
 
 
 def test_norm_drop_ins_match_vllms_own_helpers(report):
-    """Residual bitwise; normed bitwise on the unfused path, up to the squares' order when fused;
-    the rounded-sum arithmetic (arnorm before issue 35) differs on far more values."""
+    """Residual and normed bitwise, fused or not, bf16 and fp16, fp16 and fp32 module weights (the
+    interpreted kernel sums the squares in torch's CPU order: arnorm_triton/_sum_order.py); the
+    rounded-sum arithmetic (arnorm before issue 35) differs on many values."""
     _, r = report
     for row in r["norms"]["rows"]:
         assert row["residual_bitwise"], row
         n = row["normed"]
-        if row["backend"] != "triton":
-            assert n["differ"] == 0, row
-        else:
-            assert n["max_ulp"] <= 1 and n["differ"] <= ORDER_SHARE * n["total"], row
+        assert n["differ"] == 0, row
+        if row["backend"] == "triton":
             assert "unrounded" in row["problem"], row
         if row["kind"] == "gemma":
-            assert row["rounded_sum_arithmetic"]["differ"] > 10 * max(n["differ"], 1), row
+            assert row["rounded_sum_arithmetic"]["differ"] > 10, row
     backends = {row["backend"] for row in r["norms"]["rows"]}
     assert backends == {"triton", "unfused (over budget)"}, backends
     for row in r["norms"]["rows"]:  # the call itself went where op_for says (arnorm's tally)
