@@ -22,6 +22,7 @@ import arnorm_triton._direct as direct_module
 import arnorm_triton._kernels as kernels
 import arnorm_triton._launch as launch_module
 import arnorm_triton._swizzle as swizzle_module
+from arnorm.plugin import RMSNorm
 from arnorm.quant import quantize
 from arnorm_triton._launch import FusedLauncher
 
@@ -111,8 +112,9 @@ def _setup(monkeypatch, corrupt: bool):
 
 
 def _launcher(quant: str | None = None, layout: str | None = None, **kw) -> FusedLauncher:
-    fixed = {"hidden": 256, "itemsize": 2, "write_normed": True, "num_partials": 1, "eps": 1e-6, "soft": True}
-    return FusedLauncher(quant=quant, layout=layout, weight_offset=1.0, soft_fp8=True, **fixed, **kw)
+    fixed = {"hidden": 256, "itemsize": 2, "write_normed": True, "num_partials": 1, "soft": True}
+    norm = RMSNorm(weight_offset=1.0)
+    return FusedLauncher(quant=quant, layout=layout, norm=norm, soft_fp8=True, **fixed, **kw)
 
 
 def _buffers(t: int, h: int, quant: str | None = "nvfp4"):
