@@ -388,3 +388,23 @@ def test_kernel_codes_and_launch_table_keys_are_the_format_tables_codes():
     for key in (*_launch_table.TABLE, *_launch_table.TWO_PASS_FROM):
         assert key[2] in known, key
     assert {key[2] for key in _launch_table.TWO_PASS_FROM} == {FORMAT_SPECS["nvfp4"].code}
+
+
+def test_norm_constexprs_are_the_declared_options_in_capitals():
+    """One constexpr per option triton declares, each a parameter of both kernels (the fused one and
+    triton_symm's); an option it does not declare is refused, never launched as the default."""
+    from arnorm_triton._launch import norm_constexprs
+    from arnorm_triton._plugin import CAPABILITIES
+    from arnorm_triton.symm import _kernels as symm_kernels
+
+    declared = sorted(CAPABILITIES.norm_options)
+    assert norm_constexprs(RMSNorm()) == {n.upper(): False for n in declared}
+    for name in declared:
+        assert norm_constexprs(RMSNorm(**{name: True}))[name.upper()] is True
+        assert name.upper() in kernels.fused_add_rmsnorm_quant_kernel.arg_names
+        assert name.upper() in symm_kernels.symm_allreduce_norm_kernel.arg_names
+    none = CAPABILITIES.model_copy(update={"norm_options": frozenset()})
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(launch_module, "CAPABILITIES", none)
+        with pytest.raises(ValueError, match="norm options"):
+            norm_constexprs(RMSNorm(round_before_weight=True))
