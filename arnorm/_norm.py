@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
-__all__ = ["NORM_OPTIONS", "NormOption", "NormOptionName", "with_option_keywords"]
+__all__ = ["NORM_OPTIONS", "NormOption", "NormOptionName", "Round3OptionAttributes", "with_option_keywords"]
 
 #: The norm options, in the order the docs list them: the names of ``RMSNorm``'s bool fields.
 NormOptionName = Literal["round_before_weight", "normalize_unrounded"]
@@ -97,3 +97,24 @@ def with_option_keywords(names: Iterable[str], keywords: Mapping[str, object]) -
     for name, value in keywords.items():
         (on.add if value else on.discard)(name)
     return frozenset(on)
+
+
+class _HasNormOptions(Protocol):
+    @property
+    def norm_options(self) -> frozenset[str]: ...
+
+
+class Round3OptionAttributes:
+    """``round_before_weight`` and ``normalize_unrounded`` as attributes of ``Problem`` and
+    ``Capabilities``, each True when ``norm_options`` names it: round 3 spelt the two options as
+    fields of both, and plugins read them. An option added later gets none (read ``norm_options``)."""
+
+    __slots__ = ()
+
+    @property
+    def round_before_weight(self: _HasNormOptions) -> bool:
+        return "round_before_weight" in self.norm_options
+
+    @property
+    def normalize_unrounded(self: _HasNormOptions) -> bool:
+        return "normalize_unrounded" in self.norm_options

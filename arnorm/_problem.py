@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from arnorm._norm import NORM_OPTIONS, NormOptionName, with_option_keywords
+from arnorm._norm import NORM_OPTIONS, NormOptionName, Round3OptionAttributes, with_option_keywords
 
 __all__ = ["Problem"]
 
 
 @dataclass(frozen=True, slots=True)
-class Problem:
+class Problem(Round3OptionAttributes):
     """The static description of one ``AllReduceNorm``: identical on every rank.
 
     ``platform`` is ``"cuda"``, ``"rocm"`` or ``"cpu"``; ``arch`` the CUDA compute capability
@@ -58,15 +58,6 @@ class Problem:
             n for n in self.norm_options if not NORM_OPTIONS[n].is_void(self.add_residual, self.dtype)
         )
         object.__setattr__(self, "norm_options", on)
-
-    # Round 3's attributes, which backends read: a new option gets none (read ``norm_options``).
-    @property
-    def round_before_weight(self) -> bool:
-        return "round_before_weight" in self.norm_options
-
-    @property
-    def normalize_unrounded(self) -> bool:
-        return "normalize_unrounded" in self.norm_options
 
     @property
     def quant_name(self) -> str:

@@ -13,6 +13,8 @@ import pytest
 from arnorm._norm import NORM_OPTIONS, with_option_keywords
 from arnorm.plugin import Capabilities, Problem, RMSNorm, add_rmsnorm, check_capabilities
 
+from source_census import BACKEND_PACKAGES, modules_where
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: The files a new option touches (docs/architecture.md, "Adding a norm option"): its record, its
@@ -29,16 +31,13 @@ FILES_A_NEW_OPTION_TOUCHES = (
 
 #: The core modules a new option touches, each spelling every option.
 OPTION_MODULES = {
-    "arnorm/_norm.py": "the table itself",
+    "arnorm/_norm.py": "the table itself (and round 3's two attributes of Problem and Capabilities)",
     "arnorm/_types.py": "RMSNorm's field per option",
     "arnorm/_reference.py": "the reference arithmetic: a keyword and its arithmetic per option",
 }
 #: The core modules that spell an option's name in code (docstrings and comments aside), and why.
 CORE_MODULES_NAMING_OPTIONS = {
     **OPTION_MODULES,
-    # Round 3's API, kept for plugins built on it; a new option adds nothing here.
-    "arnorm/_problem.py": "round 3's Problem.round_before_weight / .normalize_unrounded",
-    "arnorm/registry/_capabilities.py": "round 3's Capabilities.round_before_weight / .normalize_unrounded",
     # The judge's tolerance where an option rounds twice (an option with no such effect adds nothing).
     "arnorm/testing/_compare.py": "the two-rounding order's allowed neighbours (round_before_weight)",
     # Clients: which option a library's norms compute (another room's knowledge of another library).
@@ -73,28 +72,14 @@ def _words(node: ast.AST, docstrings: set[int]) -> list[str]:
     return []
 
 
-def _modules_naming_options(*packages: str) -> set[str]:
+def _spells_an_option(node: ast.AST, docstrings: set[int]) -> bool:
+    return any(name in word.lower() for word in _words(node, docstrings) for name in NORM_OPTIONS)
+
+
+def _modules_naming_options(*packages: str, root: pathlib.Path = ROOT) -> set[str]:
     """Modules with a name, attribute, keyword, parameter or string (docstrings left out) that holds
     an option's name in any case (``ROUND_BEFORE_WEIGHT`` too)."""
-    found = set()
-    for package in packages:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            tree = ast.parse(path.read_text())
-            docstrings = {
-                id(node.body[0].value)
-                for node in ast.walk(tree)
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and node.body
-                and isinstance(node.body[0], ast.Expr)
-            }
-            if any(
-                name in word.lower()
-                for node in ast.walk(tree)
-                for word in _words(node, docstrings)
-                for name in NORM_OPTIONS
-            ):
-                found.add(path.relative_to(ROOT).as_posix())
-    return found
+    return modules_where(root, packages, _spells_an_option)
 
 
 def test_core_modules_naming_options():
@@ -102,10 +87,7 @@ def test_core_modules_naming_options():
 
 
 def test_backend_modules_naming_options():
-    found = _modules_naming_options(
-        "arnorm_triton", "arnorm_flashinfer", "arnorm_aiter", "backends/arnorm-example/arnorm_example"
-    )
-    assert found == set(BACKEND_MODULES_NAMING_OPTIONS)
+    assert _modules_naming_options(*BACKEND_PACKAGES) == set(BACKEND_MODULES_NAMING_OPTIONS)
 
 
 def test_a_new_option_touches_three_core_files_and_the_numerics():
@@ -113,13 +95,12 @@ def test_a_new_option_touches_three_core_files_and_the_numerics():
     assert set(OPTION_MODULES) <= set(FILES_A_NEW_OPTION_TOUCHES)
 
 
-def test_the_census_finds_a_planted_option(tmp_path, monkeypatch):
+def test_the_census_finds_a_planted_option(tmp_path):
     """A module that starts spelling an option (here as a kernel constexpr) is found; a docstring is not."""
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "m.py").write_text('"""round_before_weight in a docstring is not counted."""\n')
     (tmp_path / "pkg" / "k.py").write_text("def k(NORMALIZE_UNROUNDED):\n    return 0\n")
-    monkeypatch.setitem(globals(), "ROOT", tmp_path)
-    assert _modules_naming_options("pkg") == {"pkg/k.py"}
+    assert _modules_naming_options("pkg", root=tmp_path) == {"pkg/k.py"}
 
 
 # -- the table's facts, as everything reads them --------------------------------------------------

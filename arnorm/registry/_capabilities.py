@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from arnorm import _formats
-from arnorm._norm import NORM_OPTIONS, NormOptionName, with_option_keywords
+from arnorm._norm import NORM_OPTIONS, NormOptionName, Round3OptionAttributes, with_option_keywords
 from arnorm._problem import Problem
 
 __all__ = [
@@ -36,7 +36,7 @@ QuantChoice = _formats.QuantChoice
 Layout = _formats.LayoutName
 
 
-class Capabilities(BaseModel):
+class Capabilities(BaseModel, Round3OptionAttributes):
     """What a backend declares, checked against a :class:`Problem` before anything is imported.
 
     A backend's probe keeps only what cannot be declared here (versions, topology, devices).
@@ -127,15 +127,6 @@ class Capabilities(BaseModel):
             listed = update.get("norm_options", self.norm_options)
             update["norm_options"] = with_option_keywords(listed, keywords)
         return super().model_copy(update=update, deep=deep)
-
-    # Round 3's attributes: a new option gets none (read ``norm_options``).
-    @property
-    def round_before_weight(self) -> bool:
-        return "round_before_weight" in self.norm_options
-
-    @property
-    def normalize_unrounded(self) -> bool:
-        return "normalize_unrounded" in self.norm_options
 
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
