@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from arnorm._norm import NORM_OPTIONS, NormOptionName, Round3OptionAttributes, with_option_keywords
 
 __all__ = ["Problem"]
 
 
 @dataclass(frozen=True, slots=True)
-class Problem:
+class Problem(Round3OptionAttributes):
     """The static description of one ``AllReduceNorm``: identical on every rank.
 
     ``platform`` is ``"cuda"``, ``"rocm"`` or ``"cpu"``; ``arch`` the CUDA compute capability
     ``(major, minor)`` or, on ROCm, ``(0, 0)`` with the gfx name in ``gfx_arch``.
     ``quant`` is ``None`` or one of :data:`arnorm.QUANT_FORMATS` and ``scale_layout`` is set for
-    nvfp4 and mxfp8 only. ``round_before_weight`` and ``normalize_unrounded`` are
-    :class:`arnorm.RMSNorm`'s.
+    nvfp4 and mxfp8 only. ``eps`` and ``weight_offset`` are :class:`arnorm.RMSNorm`'s, and
+    ``norm_options`` the names of its options that are on (``RMSNorm.options``), less those void for
+    this problem (``NormOption.is_void``: ``normalize_unrounded`` with no residual add or in fp32),
+    which the problem records off: one problem, one selection
+    (``RMSNorm.with_options(p.eps, p.weight_offset, p.norm_options)`` is the norm itself);
+    ``round_before_weight`` and ``normalize_unrounded`` read the set.
     ``add_residual=False``: an all-reduce + norm with no residual add (calls pass ``residual=None``;
     the new residual is the reduced sum itself).
     ``batch_invariant``: ``Config(batch_invariant=True)``: a row's outputs must not depend on the
@@ -37,10 +46,18 @@ class Problem:
     platform: str
     arch: tuple[int, int] | None = None
     gfx_arch: str | None = None
-    round_before_weight: bool = False
+    norm_options: frozenset[NormOptionName] = frozenset()
     add_residual: bool = True
-    normalize_unrounded: bool = False
     batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.norm_options) - set(NORM_OPTIONS))
+        if unknown:
+            raise ValueError(f"norm_options: {unknown} (needs names of {', '.join(NORM_OPTIONS)})")
+        on = frozenset(
+            n for n in self.norm_options if not NORM_OPTIONS[n].is_void(self.add_residual, self.dtype)
+        )
+        object.__setattr__(self, "norm_options", on)
 
     @property
     def quant_name(self) -> str:
@@ -50,10 +67,7 @@ class Problem:
     def short(self) -> str:
         """A one-line summary for logs: ``tp=2 hidden=4096 bfloat16 quant=fp8_static gemma cpu``."""
         norm = {0.0: "plain", 1.0: "gemma"}.get(self.weight_offset, f"offset={self.weight_offset:g}")
-        if self.round_before_weight:
-            norm += "/round-before-weight"
-        if self.normalize_unrounded:
-            norm += "/unrounded"
+        norm += "".join(f"/{o.label}" for n, o in NORM_OPTIONS.items() if n in self.norm_options)
         layout = f"/{self.scale_layout}" if self.scale_layout else ""
         residual = "" if self.add_residual else " no-residual"
         invariant = " batch-invariant" if self.batch_invariant else ""
@@ -61,3 +75,19 @@ class Problem:
             f"tp={self.world_size} hidden={self.hidden_size} {self.dtype} "
             f"quant={self.quant_name}{layout} {norm}{residual}{invariant} {self.platform}"
         )
+
+
+def _taking_option_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def __init__(self: Problem, *args: Any, **kwargs: Any) -> None:
+        keywords: dict[str, Any] = {n: kwargs.pop(n) for n in NORM_OPTIONS if n in kwargs}
+        if keywords:
+            kwargs["norm_options"] = with_option_keywords(kwargs.get("norm_options", ()), keywords)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+# Round 3's problems took a keyword per option (``round_before_weight=True``), and plugins' tests
+# still build them so (``dataclasses.replace`` too): each folds into ``norm_options``.
+Problem.__init__ = _taking_option_keywords(Problem.__init__)  # type: ignore[method-assign]

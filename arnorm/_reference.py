@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from arnorm._types import Output, QuantizedActivation
+from arnorm._norm import NORM_OPTIONS
+from arnorm._types import Output, QuantizedActivation, RMSNorm
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +26,14 @@ if TYPE_CHECKING:
     from arnorm._problem import Problem
     from arnorm.comm._comm import Comm
 
-__all__ = ["ReferenceBackend", "add_rmsnorm", "mean_square_rows", "quantize_output", "rank_order_sum"]
+__all__ = [
+    "ReferenceBackend",
+    "add_rmsnorm",
+    "apply_norm",
+    "mean_square_rows",
+    "quantize_output",
+    "rank_order_sum",
+]
 
 
 def rank_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -74,6 +82,7 @@ def add_rmsnorm(
 
     ``reduced`` and ``residual`` are ``[T, H]`` (any row strides), ``weight`` is ``[H]``;
     ``residual=None`` is no add (``h`` is ``reduced`` itself, not a copy).
+    Each option of :class:`arnorm.RMSNorm` is a keyword of its name (:func:`apply_norm` passes them).
     ``normalize_unrounded``: the norm reads the fp32 sum before it is rounded to ``h``.
     ``batch_invariant``: the statistic by :func:`mean_square_rows` (a row's result independent of
     the other rows) instead of torch's ``mean``.
@@ -95,6 +104,21 @@ def add_rmsnorm(
         normalized = normalized.to(reduced.dtype).float()
     y = (normalized * (weight.float() + weight_offset)).to(reduced.dtype)
     return h, y
+
+
+def apply_norm(
+    reduced: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    norm: RMSNorm,
+    *,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rmsnorm` with ``norm``'s epsilon, weight offset and options."""
+    options = {name: getattr(norm, name) for name in NORM_OPTIONS}
+    return add_rmsnorm(
+        reduced, residual, weight, norm.eps, norm.weight_offset, **options, batch_invariant=batch_invariant
+    )
 
 
 def quantize_output(
@@ -120,6 +144,7 @@ class ReferenceBackend:
 
     def __init__(self, problem: Problem, comm: Comm) -> None:
         self._problem = problem
+        self._norm = RMSNorm.with_options(problem.eps, problem.weight_offset, problem.norm_options)
         self._comm = comm
 
     @classmethod
@@ -145,8 +170,7 @@ class ReferenceBackend:
             reduced = hidden_states
         else:
             reduced = rank_order_sum(self._comm.all_gather(hidden_states))
-        h, y = add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight,
-                           p.normalize_unrounded, batch_invariant=p.batch_invariant)  # fmt: skip
+        h, y = apply_norm(reduced, residual, weight, self._norm, batch_invariant=p.batch_invariant)
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)

@@ -1,14 +1,17 @@
-"""Value types of the public API: the norm, the outputs and the quantized activation.
+"""Value types of the public API: the norm (its options' table is :mod:`arnorm._norm`), the outputs and
+the quantized activation.
 
 All of them are immutable; none imports torch (tensors are only annotated).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, NamedTuple
 
 from arnorm import _formats
+from arnorm._norm import NORM_OPTIONS, NormOptionName
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +75,9 @@ class RMSNorm:
     of vLLM >= 0.2x's ``fused_add_rms_norm`` (``GemmaRMSNorm`` in 0.33) and AITER's fused kernel;
     ``False`` (the default) normalizes the rounded ``h``, as FlashInfer's fused kernel and
     Hugging Face's norms do. With ``add_residual=False`` there is no add and the two agree.
+
+    The bool fields are the norm's options (``arnorm.plugin.NORM_OPTIONS``); :attr:`options` names
+    those on.
     """
 
     eps: float = 1e-6
@@ -88,12 +94,10 @@ class RMSNorm:
         if not (_is_real(self.weight_offset) and abs(self.weight_offset) < float("inf")):
             msg = f"weight_offset: {self.weight_offset!r} (needs a finite float, 0.0 plain or 1.0 Gemma)"
             raise InvalidInputError(msg)
-        if not isinstance(self.round_before_weight, bool):
-            msg = f"round_before_weight: {self.round_before_weight!r} (needs True or False)"
-            raise InvalidInputError(msg)
-        if not isinstance(self.normalize_unrounded, bool):
-            msg = f"normalize_unrounded: {self.normalize_unrounded!r} (needs True or False)"
-            raise InvalidInputError(msg)
+        for name in NORM_OPTIONS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidInputError(f"{name}: {value!r} (needs True or False)")
 
     @property
     def kind(self) -> str:
@@ -103,6 +107,22 @@ class RMSNorm:
         if self.weight_offset == 1.0:
             return "gemma"
         return f"offset={self.weight_offset:g}"
+
+    @property
+    def options(self) -> frozenset[NormOptionName]:
+        """The names of the options not at their default."""
+        return frozenset(n for n, o in NORM_OPTIONS.items() if getattr(self, n) != o.default)
+
+    @classmethod
+    def with_options(cls, eps: float, weight_offset: float, options: Iterable[str]) -> RMSNorm:
+        """The norm of ``eps``, ``weight_offset`` and the options named in ``options`` (``Problem``'s
+        ``eps``, ``weight_offset`` and ``norm_options``), the others at their default."""
+        on = frozenset(options)
+        return cls(eps, weight_offset, **{n: (n in on) != o.default for n, o in NORM_OPTIONS.items()})
+
+
+_FIELDS = {f.name: f.default for f in fields(RMSNorm) if f.type in ("bool", bool)}
+assert {n: o.default for n, o in NORM_OPTIONS.items()} == _FIELDS, "RMSNorm's bool fields are the options"
 
 
 class QuantizedActivation(NamedTuple):

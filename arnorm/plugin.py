@@ -33,10 +33,11 @@ from arnorm._errors import (
     InvalidInputError,
 )
 from arnorm._formats import DTYPE_BYTES, DTYPES, FORMAT_SPECS, FormatSpec, format_spec, round_up
+from arnorm._norm import NORM_OPTIONS, NormOption
 from arnorm._problem import Problem
 from arnorm._protocol import FusedAllReduceNorm
 from arnorm._reference import add_rmsnorm, quantize_output, rank_order_sum
-from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation
+from arnorm._types import LOCAL, QUANT_FORMATS, SCALE_LAYOUTS, Output, QuantizedActivation, RMSNorm
 from arnorm.comm._comm import Comm
 from arnorm.registry._capabilities import Capabilities, check_capabilities, join_or
 from arnorm.registry._spec import BackendSpec, hookimpl
@@ -49,6 +50,7 @@ __all__ = [
     "DTYPE_BYTES",
     "FORMAT_SPECS",
     "LOCAL",
+    "NORM_OPTIONS",
     "QUANT_FORMATS",
     "SCALE_LAYOUTS",
     "ArnormError",
@@ -62,9 +64,11 @@ __all__ = [
     "FusedAllReduceNorm",
     "InferenceOnlyError",
     "InvalidInputError",
+    "NormOption",
     "Output",
     "Problem",
     "QuantizedActivation",
+    "RMSNorm",
     "add_rmsnorm",
     "check_capabilities",
     "dequantize",

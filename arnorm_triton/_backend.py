@@ -27,7 +27,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from arnorm.plugin import BackendSetupError, Output
+from arnorm.plugin import BackendSetupError, Output, RMSNorm
 
 if TYPE_CHECKING:
     import torch
@@ -110,11 +110,8 @@ class TritonBackend:
             layout=plan.layout,
             write_normed=problem.normed_output,
             num_partials=self._world if self._exact else 1,
-            eps=problem.eps,
-            weight_offset=problem.weight_offset,
-            round_before_weight=problem.round_before_weight,
+            norm=RMSNorm.with_options(problem.eps, problem.weight_offset, problem.norm_options),
             add_residual=problem.add_residual,
-            normalize_unrounded=problem.normalize_unrounded,
             soft=soft,
             soft_fp8=soft_fp8,
             pdl=pdl,

@@ -22,14 +22,26 @@ from arnorm_triton import _kernels as K
 from arnorm_triton import _swizzle as S
 from arnorm_triton._direct import HOOK_CHAIN, RUNTIME, Bound, bound_launchers
 from arnorm_triton._launch_table import launch_config, two_pass_scales
-from arnorm_triton._plugin import MAX_HIDDEN
+from arnorm_triton._plugin import CAPABILITIES, MAX_HIDDEN
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FusedLauncher", "LaunchConfig"]
+    from arnorm.plugin import RMSNorm
+
+__all__ = ["FusedLauncher", "LaunchConfig", "norm_constexprs"]
 
 _log = logging.getLogger("arnorm.triton")
+
+
+def norm_constexprs(norm: RMSNorm) -> dict[str, bool]:
+    """The kernels' constexpr of each norm option the backend declares (``CAPABILITIES.norm_options``):
+    the option's name in capitals (``ROUND_BEFORE_WEIGHT``), True where ``norm`` turns it on. Shared
+    with ``triton_symm``, whose kernels take the same epilogue."""
+    unserved = norm.options - CAPABILITIES.norm_options
+    if unserved:
+        raise ValueError(f"norm options: {sorted(unserved)} (needs {sorted(CAPABILITIES.norm_options)})")
+    return {name.upper(): name in norm.options for name in sorted(CAPABILITIES.norm_options)}
 
 
 class LaunchConfig(NamedTuple):
@@ -46,8 +58,9 @@ class LaunchConfig(NamedTuple):
 class FusedLauncher:
     """Launches of :func:`arnorm_triton._kernels.fused_add_rmsnorm_quant_kernel` for one op.
 
-    ``itemsize``: bytes per element of the op's dtype. ``launch(x, res, w, scale, h, y, q, sf,
-    n_rows, x_stride, res_stride, h_stride)``: tensors in
+    ``itemsize``: bytes per element of the op's dtype; ``norm``: the op's :class:`arnorm.plugin.RMSNorm`
+    (its epsilon and offset are arguments, its options constexprs: :func:`norm_constexprs`).
+    ``launch(x, res, w, scale, h, y, q, sf, n_rows, x_stride, res_stride, h_stride)``: tensors in
     the kernel's order; ``scale``, ``y``, ``q``, ``sf`` may be ``None`` when the variant does not
     read or write them. The launch configuration is a function of ``n_rows`` alone (a fixed table),
     so every TP rank launches the same grid for the same call.
@@ -62,11 +75,8 @@ class FusedLauncher:
         layout: str | None,
         write_normed: bool,
         num_partials: int,
-        eps: float,
-        weight_offset: float,
-        round_before_weight: bool = False,
+        norm: RMSNorm,
         add_residual: bool = True,
-        normalize_unrounded: bool = False,
         soft: bool,
         soft_fp8: bool,
         pdl: bool = False,
@@ -86,8 +96,8 @@ class FusedLauncher:
         self.fixed_warps = num_warps
         #: Two-pass scale stores forced on or off (labs, tests); None: the table's rule.
         self.fixed_two_pass = two_pass
-        self.eps = float(eps)
-        self.weight_offset = float(weight_offset)
+        self.eps = float(norm.eps)
+        self.weight_offset = float(norm.weight_offset)
         self.constexprs: dict[str, Any] = {
             "HIDDEN": hidden,
             "BLOCK": block,
@@ -97,12 +107,11 @@ class FusedLauncher:
             "QUANT": K.QUANT_CODES[quant],
             "SWIZZLED": self.swizzled,
             "WRITE_NORMED": write_normed,
-            "ROUND_BEFORE_WEIGHT": round_before_weight,
             "SOFT": soft,
             "SOFT_FP8": soft_fp8,
             "USE_PDL": pdl,
             "HAS_RESIDUAL": add_residual,
-            "NORMALIZE_UNROUNDED": normalize_unrounded,
+            **norm_constexprs(norm),
         }
         names = K.fused_add_rmsnorm_quant_kernel.arg_names
         self._const_names = names[names.index("HIDDEN") :]

@@ -22,8 +22,8 @@ CAPABILITIES = Capabilities(
     quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
     min_arch=(8, 0),
     max_hidden=MAX_HIDDEN,
-    round_before_weight=True,
-    normalize_unrounded=True,
+    # The epilogue's constexpr per option (_launch.norm_constexprs), triton_symm's too.
+    norm_options=frozenset({"round_before_weight", "normalize_unrounded"}),
     strided_rows=True,
     residual_free=True,
     caller_outputs=True,

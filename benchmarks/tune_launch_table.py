@@ -63,7 +63,7 @@ class KernelRun:
     def __init__(self, device: Any, t: int, h: int, fmt: str, normed: bool, warps: int) -> None:
         import torch
 
-        from arnorm.plugin import FORMAT_SPECS
+        from arnorm.plugin import FORMAT_SPECS, RMSNorm
         from arnorm_triton._kernels import INTERPRETED
         from arnorm_triton._launch import FusedLauncher, LaunchConfig
         from arnorm_triton._outputs import OutputPlan
@@ -77,8 +77,8 @@ class KernelRun:
 
             pdl = hasattr(tl.extra.cuda, "gdc_wait")
         self.launcher = FusedLauncher(
-            hidden=h, itemsize=2, quant=quant, layout=layout, write_normed=normed, num_partials=1, eps=EPS,
-            weight_offset=0.0, soft=INTERPRETED, soft_fp8=INTERPRETED or not cuda or arch < (8, 9), pdl=pdl,
+            hidden=h, itemsize=2, quant=quant, layout=layout, write_normed=normed, num_partials=1,
+            norm=RMSNorm(EPS), soft=INTERPRETED, soft_fp8=INTERPRETED or not cuda or arch < (8, 9), pdl=pdl,
             arch=arch, num_warps=warps,
         )  # fmt: skip
         g = torch.Generator(device=device).manual_seed(t + h)

@@ -270,7 +270,8 @@ def _configs() -> list[tuple]:
     configs = set(test_symm_gpu.PRECOMPILE)
     for c in Suite.cases():
         for world in CONFORMANCE_WORLDS:
-            configs.add((c.dtype, c.quant, c.layout, c.hidden, True, c.round_before_weight, world))
+            configs.add((c.dtype, c.quant, c.layout, c.hidden, True, "round_before_weight" in c.norm_options,
+                         world))  # fmt: skip
     configs.add(("bfloat16", None, None, 4096, True, False, 2))  # smoke
     for hidden in (4096, 8192):
         for quant, layout in ((None, None), ("fp8_static", None), ("nvfp4", "swizzled_128x4")):

@@ -101,13 +101,14 @@ def census(kernels: Any, hidden: int, quant: str, normed: bool, warps: int, arch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from arnorm.plugin import RMSNorm
     from arnorm_triton._launch import FusedLauncher
 
     fn = kernels.fused_add_rmsnorm_quant_kernel
     # The constexprs exactly as the backend's launcher binds them (bf16, TP 1, swizzled scales).
     const = FusedLauncher(
         hidden=hidden, itemsize=2, quant=None if quant == "none" else quant, layout="swizzled_128x4",
-        write_normed=normed, num_partials=1, eps=1e-6, weight_offset=0.0, soft=False, soft_fp8=False,
+        write_normed=normed, num_partials=1, norm=RMSNorm(), soft=False, soft_fp8=False,
         pdl=arch >= 90,
     ).constexprs  # fmt: skip
     sig = {}

@@ -125,9 +125,9 @@ def test_deferred_and_type_only_imports_are_edges(tmp_path):
     ]  # fmt: skip
 
 
-#: The ground floor: value types, errors, the format table and the problem, which import nothing
-#: above them.
-_FLOOR = ("arnorm._errors", "arnorm._formats", "arnorm._problem", "arnorm._types")
+#: The ground floor: value types, errors, the format and norm-option tables and the problem, which
+#: import nothing above them.
+_FLOOR = ("arnorm._errors", "arnorm._formats", "arnorm._norm", "arnorm._problem", "arnorm._types")
 #: Rooms and what each may import from the house, every kind of import counted: settings and
 #: communication lie under the protocol, the registry and the op; the registry under the op.
 _BELOW = {

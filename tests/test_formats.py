@@ -12,6 +12,8 @@ import pytest
 from arnorm import _formats
 from arnorm._formats import FORMAT_SPECS
 
+from source_census import BACKEND_PACKAGES, modules_where
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: Every code ever given to a format. Append a new format's line here when it joins the table;
@@ -60,23 +62,11 @@ BACKEND_MODULES_NAMING_FORMATS = {
 def _modules_naming_formats(*packages: str) -> set[str]:
     """Modules with a string constant that is a format's name, docstrings left out."""
     names = set(FORMAT_SPECS)
-    found = set()
-    for package in packages:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            tree = ast.parse(path.read_text())
-            docstrings = {
-                id(node.body[0].value)
-                for node in ast.walk(tree)
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and node.body
-                and isinstance(node.body[0], ast.Expr)
-            }
-            if any(
-                isinstance(n, ast.Constant) and n.value in names and id(n) not in docstrings
-                for n in ast.walk(tree)
-            ):
-                found.add(path.relative_to(ROOT).as_posix())
-    return found
+
+    def spells(node: ast.AST, docstrings: set[int]) -> bool:
+        return isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
+
+    return modules_where(ROOT, packages, spells)
 
 
 def _pin_problems(codes: dict[str, int]) -> list[str]:
@@ -126,10 +116,7 @@ def test_core_modules_naming_formats():
 
 
 def test_backend_modules_naming_formats():
-    found = _modules_naming_formats(
-        "arnorm_triton", "arnorm_flashinfer", "arnorm_aiter", "backends/arnorm-example/arnorm_example"
-    )
-    assert found == set(BACKEND_MODULES_NAMING_FORMATS)
+    assert _modules_naming_formats(*BACKEND_PACKAGES) == set(BACKEND_MODULES_NAMING_FORMATS)
 
 
 def test_a_new_format_touches_three_core_files():

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from arnorm._formats import DTYPES, LAYOUTS, QUANT_FORMATS
+from arnorm._norm import NORM_OPTIONS
 from arnorm.cli._usage import UsageError
 
 __all__ = ["build_parser", "main"]
@@ -152,7 +153,7 @@ def problem_from_args(args: argparse.Namespace) -> Any:
         args.tp,
         hidden_size=args.hidden,
         dtype=getattr(torch, args.dtype),
-        norm=arnorm.RMSNorm(args.eps, args.weight_offset, args.round_before_weight),
+        norm=arnorm.RMSNorm(args.eps, args.weight_offset, **{n: getattr(args, n) for n in NORM_OPTIONS}),
         quant=None if args.quant == "none" else args.quant,
         scale_layout=args.layout,
         max_tokens=args.tokens,
@@ -352,11 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="added to the norm weight: 1.0 for Gemma (default 0.0)",
     )
-    ex.add_argument(
-        "--round-before-weight",
-        action="store_true",
-        help="round the normalized value to the dtype before the weight multiply (Hugging Face Llama order)",
-    )
+    for option in NORM_OPTIONS.values():  # a flag per norm option: --round-before-weight, ...
+        ex.add_argument(f"--{option.name.replace('_', '-')}", action="store_true", help=option.summary)
     ex.add_argument(
         "--backend",
         default=None,

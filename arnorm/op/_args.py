@@ -140,9 +140,7 @@ def build_problem(
         platform=platform,
         arch=arch,
         gfx_arch=gfx,
-        round_before_weight=norm.round_before_weight,
+        # Options void for this problem (NormOption.is_void) are dropped by Problem itself.
+        norm_options=norm.options,
         add_residual=bool(add_residual),
-        # With no add, or in fp32 (where rounding to the dtype is exact), the sum normalized is the
-        # same either way: one problem, one selection.
-        normalize_unrounded=norm.normalize_unrounded and bool(add_residual) and name != "float32",
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm._errors import InvalidInputError
 from arnorm._formats import DTYPES
+from arnorm._norm import NORM_OPTIONS
 from arnorm._types import LOCAL, Output, RMSNorm
 from arnorm.op._faults import group_owner, is_destroyed
 from arnorm.op._guards import agree_call
@@ -38,18 +39,18 @@ def fused_allreduce_norm(
     group: Any,
     eps: float,
     weight_offset: float = 0.0,
-    round_before_weight: bool = False,
-    normalize_unrounded: bool = False,
     quant: str | None = None,
     scale: torch.Tensor | None = None,
     inplace: bool = True,
+    **norm_options: bool,
 ) -> Output:
     """One-shot form of :class:`AllReduceNorm`, with the op cached per signature.
 
-    ``group`` is required: a ``ProcessGroup`` or :data:`arnorm.LOCAL`. The first call for a
-    signature (group, hidden size, dtype, device, eps, offset, rounding order, which sum the norm
-    reads (``normalize_unrounded``, see :class:`arnorm.RMSNorm`), quant, inplace, and
-    whether ``residual`` is ``None``: an op with ``add_residual=False``) builds
+    ``group`` is required: a ``ProcessGroup`` or :data:`arnorm.LOCAL`. ``norm_options``: the
+    options of :class:`arnorm.RMSNorm` by name (``round_before_weight=True``,
+    ``normalize_unrounded=True``). The first call for a signature (group, hidden size, dtype,
+    device, the norm, quant, inplace, and whether ``residual`` is ``None``: an op with
+    ``add_residual=False``) builds
     an op (collective); a call with more tokens than the cached op's budget builds a larger one.
     At most :data:`CACHE_SIZE` ops are kept; the least recently used is closed when another is
     needed (identically on every rank, when every rank makes the same calls). Engines should keep
@@ -72,7 +73,13 @@ def fused_allreduce_norm(
         needs = join_or(f"torch.{d}" for d in DTYPES)
         raise InvalidInputError(f"hidden_states: dtype {hidden_states.dtype} (needs {needs})")
     t, h = hidden_states.shape
-    norm = RMSNorm(eps, weight_offset, round_before_weight, normalize_unrounded)
+    unknown = sorted(set(norm_options) - set(NORM_OPTIONS))
+    if unknown:
+        raise InvalidInputError(
+            f"{unknown[0]}: not an argument (needs an argument of fused_allreduce_norm or a norm "
+            f"option: {join_or(NORM_OPTIONS)})"
+        )
+    norm = RMSNorm(eps, weight_offset, **norm_options)
     add_residual = residual is not None
     key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual)
     with _cache_lock:

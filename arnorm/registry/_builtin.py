@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from arnorm._formats import QUANT_FORMATS
+from arnorm._norm import NORM_OPTIONS
 from arnorm.registry._capabilities import Capabilities
 from arnorm.registry._spec import BackendSpec, hookimpl
 
@@ -18,8 +19,8 @@ def arnorm_backends() -> list[BackendSpec]:
             capabilities=Capabilities(
                 platforms=frozenset({"cpu", "cuda", "rocm"}),
                 quant=frozenset({"none", *QUANT_FORMATS}),
-                round_before_weight=True,
-                normalize_unrounded=True,
+                # Its arithmetic is every option's definition.
+                norm_options=frozenset(NORM_OPTIONS),
                 strided_rows=True,
                 residual_free=True,
                 # Rank-order sum, elementwise steps, and for batch-invariant ops a statistic by

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from arnorm import _formats
+from arnorm._norm import NORM_OPTIONS, NormOptionName, Round3OptionAttributes, with_option_keywords
 from arnorm._problem import Problem
 
 __all__ = [
@@ -35,7 +36,7 @@ QuantChoice = _formats.QuantChoice
 Layout = _formats.LayoutName
 
 
-class Capabilities(BaseModel):
+class Capabilities(BaseModel, Round3OptionAttributes):
     """What a backend declares, checked against a :class:`Problem` before anything is imported.
 
     A backend's probe keeps only what cannot be declared here (versions, topology, devices).
@@ -48,10 +49,10 @@ class Capabilities(BaseModel):
     - ``hidden_multiple`` for every format, ``quant_hidden_multiple`` per format (the format's own
       multiple, ``FormatSpec.hidden_multiple``, always applies on top: :func:`hidden_multiple`);
       ``min_hidden``, ``max_hidden``.
-    - ``weight_offsets`` (``None``: any); ``round_before_weight``: whether the backend serves
-      ``RMSNorm(round_before_weight=True)``; ``normalize_unrounded``: whether it serves
-      ``RMSNorm(normalize_unrounded=True)`` (the norm reads the fp32 ``s + residual`` before it is
-      rounded to the residual's dtype).
+    - ``weight_offsets`` (``None``: any); ``norm_options``: the options of :class:`arnorm.RMSNorm`
+      the backend serves (``{"round_before_weight", "normalize_unrounded"}``; the table of options
+      is ``arnorm.plugin.NORM_OPTIONS``). Round 3's bool keywords stay: ``round_before_weight=True``
+      and ``normalize_unrounded=True`` add their option to the set, and read it as attributes.
     - ``strided_rows``: whether ``hidden_states`` / ``residual`` may be ``[T, H]`` views with
       unit column stride and a row stride above ``H`` (taken without a copy).
     - ``residual_free``: whether the backend serves ops built with ``add_residual=False``
@@ -89,12 +90,43 @@ class Capabilities(BaseModel):
     min_hidden: int = 1
     max_hidden: int | None = None
     weight_offsets: frozenset[float] | None = None
-    round_before_weight: bool = False
-    normalize_unrounded: bool = False
+    norm_options: frozenset[NormOptionName] = frozenset()
     strided_rows: bool = False
     residual_free: bool = False
     caller_outputs: bool = False
     batch_invariant: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _option_keywords(cls, data: object) -> object:
+        """Round 3's bool keyword per option (``round_before_weight=True``), which plugins built on
+        it pass: True adds the option to ``norm_options``, False removes it."""
+        if not isinstance(data, dict) or not any(n in data for n in NORM_OPTIONS):
+            return data
+        data = dict(data)
+        listed = data.get("norm_options", ())
+        if isinstance(listed, str) or not isinstance(listed, Iterable):
+            return data  # the field's own validation names what is wrong
+        keywords: dict[str, bool] = {}
+        for name in NORM_OPTIONS:
+            if name in data:
+                value = data.pop(name)
+                try:
+                    keywords[name] = _BOOL.validate_python(value)
+                except ValidationError:
+                    raise ValueError(f"{name}: {value!r} (needs True or False)") from None
+        data["norm_options"] = with_option_keywords(listed, keywords)
+        return data
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Capabilities:
+        """As pydantic's; round 3's option keywords in ``update`` fold into ``norm_options`` (an
+        update skips validation, so they would otherwise be ignored)."""
+        if update and any(n in update for n in NORM_OPTIONS):
+            update = dict(update)
+            keywords: dict[str, Any] = {n: update.pop(n) for n in NORM_OPTIONS if n in update}
+            listed = update.get("norm_options", self.norm_options)
+            update["norm_options"] = with_option_keywords(listed, keywords)
+        return super().model_copy(update=update, deep=deep)
 
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
@@ -130,6 +162,7 @@ class Capabilities(BaseModel):
         return hash(tuple((k, _hashable(v)) for k, v in self))
 
 
+_BOOL = TypeAdapter(bool)
 _LEADING_NUMBER = re.compile(r"^-?\d+(\.\d+)?")
 
 
@@ -242,15 +275,8 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
     if caps.weight_offsets is not None and problem.weight_offset not in caps.weight_offsets:
         offsets = join_or(f"{o:g}" for o in caps.weight_offsets)
         reasons.append(f"weight offset: {problem.weight_offset:g} (needs {offsets})")
-    if problem.round_before_weight and not caps.round_before_weight:
-        reasons.append(
-            "rounding order: round_before_weight=True (needs False: one rounding after the weight)"
-        )
-    if problem.normalize_unrounded and problem.add_residual and not caps.normalize_unrounded:
-        reasons.append(
-            "norm input: normalize_unrounded=True (needs False: this backend normalizes the "
-            "residual rounded to the dtype)"
-        )
+    # The problem holds no void option (Problem drops them), so a name there is one the op needs.
+    reasons += [o.reason for n, o in NORM_OPTIONS.items() if n in problem.norm_options - caps.norm_options]
     if problem.batch_invariant and not caps.batch_invariant:
         reasons.append(BATCH_INVARIANCE_REASON)
     return tuple(reasons)

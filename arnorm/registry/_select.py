@@ -25,6 +25,7 @@ from arnorm._errors import (
     InvalidInputError,
     NoEligibleBackendError,
 )
+from arnorm._norm import NORM_OPTIONS
 from arnorm._problem import Problem
 from arnorm.registry._capabilities import check_capabilities, did_you_mean, join_or
 from arnorm.registry._discovery import Registry
@@ -252,6 +253,9 @@ def agreement_facts(
 ) -> dict[str, Any]:
     """What every rank must have identically (``Config.disable`` excepted)."""
     facts: dict[str, Any] = {f: getattr(problem, f) for f in Problem.__dataclass_fields__}
+    # One fact per option, as the ranks' norms spell it: "round_before_weight=True" in a message.
+    del facts["norm_options"]
+    facts.update({name: name in problem.norm_options for name in NORM_OPTIONS})
     facts["backend preference"] = (pref.names, pref.source)
     facts.update(
         {f"Config.{k}": v for k, v in config.model_dump().items() if k not in ("disable", "settings")}

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from arnorm._formats import FORMAT_SPECS
+from arnorm._norm import NORM_OPTIONS
+from arnorm._types import RMSNorm
 from arnorm.testing._compare import (
     CodeMismatch,
     Mismatch,
     compare,
     compare_codes,
+    expected_normed,
     first_difference,
-    nearest_two_rounding_normed,
 )
 
 __all__ = [
@@ -55,7 +57,8 @@ class Case:
     quant: str | None
     layout: str | None
     weight_offset: float
-    round_before_weight: bool = False
+    #: The options of the norm turned on (``RMSNorm.options``: names of :data:`arnorm.plugin.NORM_OPTIONS`).
+    norm_options: frozenset[str] = frozenset()
     add_residual: bool = True
     #: The op's build options (``AllReduceNorm(inplace=, normed_output=)``).
     inplace: bool = True
@@ -64,8 +67,11 @@ class Case:
     strided: bool = False
     #: The call passes caller-owned buffers (``out=op.empty_output(T)``, filled with NaN first).
     out: bool = False
-    #: ``RMSNorm(normalize_unrounded=True)``: the norm reads the fp32 sum before it is rounded.
-    normalize_unrounded: bool = False
+
+    @property
+    def norm(self) -> RMSNorm:
+        """The op's norm: epsilon 1e-6, the case's offset and options."""
+        return RMSNorm.with_options(1e-6, self.weight_offset, self.norm_options)
 
     @property
     def id(self) -> str:
@@ -74,14 +80,13 @@ class Case:
         if self.layout:
             q += f"/{self.layout}"
         norm = {0.0: "plain", 1.0: "gemma"}.get(self.weight_offset, f"offset={self.weight_offset:g}")
-        rbw = "-round-before-weight" if self.round_before_weight else ""
+        options = "".join(f"-{o.label}" for n, o in NORM_OPTIONS.items() if n in self.norm_options)
         nores = "" if self.add_residual else "-no-residual"
         copy = "" if self.inplace else "-not-inplace"
         nonormed = "" if self.normed_output else "-no-normed-output"
         strided = "-strided" if self.strided else ""
         out = "-out" if self.out else ""
-        unr = "-unrounded" if self.normalize_unrounded else ""
-        variant = f"{rbw}{unr}{nores}{copy}{nonormed}{strided}{out}"
+        variant = f"{options}{nores}{copy}{nonormed}{strided}{out}"
         return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-{norm}{variant}"
 
 
@@ -153,7 +158,7 @@ def build(
             _group(),
             hidden_size=case.hidden,
             dtype=getattr(torch, case.dtype),
-            norm=arnorm.RMSNorm(1e-6, case.weight_offset, case.round_before_weight, case.normalize_unrounded),
+            norm=case.norm,
             quant=case.quant,
             scale_layout=case.layout,
             max_tokens=max_tokens,
@@ -299,7 +304,8 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = 
     """
     import torch
 
-    from arnorm.plugin import Output, QuantizedActivation, add_rmsnorm, format_spec, rank_order_sum
+    from arnorm._reference import apply_norm
+    from arnorm.plugin import Output, QuantizedActivation, format_spec, rank_order_sum
     from arnorm.quant import quantize
 
     partials, residual, weight, scale = exact_inputs(case, world, device)
@@ -360,22 +366,10 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = 
     if problems:
         return CaseResult(case, "error", error="; ".join(problems))
     reduced = rank_order_sum(partials)
-    h, y = add_rmsnorm(
-        reduced,
-        residual_before,
-        weight_before,
-        1e-6,
-        case.weight_offset,
-        case.round_before_weight,
-        case.normalize_unrounded,
-    )
+    h, y = apply_norm(reduced, residual_before, weight_before, case.norm)
     normed = None
     if case.normed_output:
-        if case.round_before_weight:
-            unrounded = None
-            if case.normalize_unrounded and residual_before is not None:
-                unrounded = reduced.float() + residual_before.float()
-            y = nearest_two_rounding_normed(out.normed, h, weight_before, 1e-6, case.weight_offset, unrounded)
+        y = expected_normed(out.normed, y, h, reduced, residual_before, weight_before, case.norm)
         normed = compare(out.normed, y)
     result = CaseResult(case, "ran", residual=compare(out.residual, h), normed=normed)
     if case.quant is None:

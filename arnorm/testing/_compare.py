@@ -15,6 +15,7 @@ __all__ = [
     "Mismatch",
     "compare",
     "compare_codes",
+    "expected_normed",
     "first_difference",
     "nearest_two_rounding_normed",
     "ulp_distance",
@@ -76,6 +77,19 @@ def nearest_two_rounding_normed(
         best = torch.where(better, cand, best)
         best_d = torch.where(better, d, best_d)
     return best
+
+
+def expected_normed(got: Any, y: Any, h: Any, reduced: Any, residual: Any, weight: Any, norm: Any) -> Any:
+    """What a backend's ``normed`` (``got``) is judged against: the reference ``y`` of ``norm`` (an
+    :class:`arnorm.RMSNorm`), or where it rounds twice (``round_before_weight``) the nearest of the
+    neighbours the contract allows (:func:`nearest_two_rounding_normed`). ``h``, ``reduced`` and
+    ``residual``: the reference's new residual, reduced sum and residual before the call (or None)."""
+    if not norm.round_before_weight:
+        return y
+    unrounded = None
+    if norm.normalize_unrounded and residual is not None:
+        unrounded = reduced.float() + residual.float()
+    return nearest_two_rounding_normed(got, h, weight, norm.eps, norm.weight_offset, unrounded)
 
 
 def _fmt(x: float) -> str:

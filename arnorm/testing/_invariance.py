@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arnorm._formats import FORMAT_SPECS
+from arnorm._norm import NORM_OPTIONS
 from arnorm.testing._cases import Case, _device, build, input_scale
 
 __all__ = ["InvarianceResult", "run_invariance"]
@@ -166,11 +167,12 @@ def run_invariance(rank: int, world: int, backend: str, cases: list[Case], sizes
 def invariance_cases(caps: Any, hidden: int) -> list[Case]:
     """One case per declared format and layout, for the first declared dtype, at ``hidden`` (raised to
     the hidden size the backend admits for the format); the norms rotate through plain and Gemma,
-    with ``round_before_weight``, ``normalize_unrounded`` and ``add_residual=False`` once each where
-    declared."""
+    with ``add_residual=False`` (the third case) and each declared norm option (the ``k``-th in
+    the table's order alone in case ``2k + 1``) once each where declared."""
     from arnorm.registry._capabilities import admitted_hidden
 
     dtype = sorted(caps.dtypes)[0]
+    declared = [n for n in NORM_OPTIONS if n in caps.norm_options]
     out: list[Case] = []
     for quant in sorted(caps.quant):
         q = None if quant == "none" else quant
@@ -186,11 +188,8 @@ def invariance_cases(caps: Any, hidden: int) -> list[Case]:
             i = len(out)
             offsets = sorted(caps.weight_offsets) if caps.weight_offsets is not None else [0.0, 1.0]
             case = Case(1, h, dtype, q, layout, float(offsets[i % len(offsets)]))
-            if i == 1 and caps.round_before_weight:
-                case = dataclasses.replace(case, round_before_weight=True)
             if i == 2 and caps.residual_free:
                 case = dataclasses.replace(case, add_residual=False)
-            if i == 3 and caps.normalize_unrounded:
-                case = dataclasses.replace(case, normalize_unrounded=True)
-            out.append(case)
+            on = frozenset(n for k, n in enumerate(declared) if i == 2 * k + 1)
+            out.append(dataclasses.replace(case, norm_options=on))
     return out

@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 import pytest
 
 from arnorm._formats import FORMAT_SPECS
+from arnorm._norm import NORM_OPTIONS
 from arnorm.registry._capabilities import admitted_hidden
 from arnorm.testing._cases import Case, CaseResult, bad_inputs_then_good, run_cases
 from arnorm.testing._invariance import invariance_cases, run_invariance
@@ -168,11 +169,14 @@ class ConformanceSuite:
     @classmethod
     def cases(cls) -> list[Case]:
         """Every declared (dtype, format, layout), at each shape; the norms rotate through the
-        declared weight offsets, with ``round_before_weight``, ``normalize_unrounded`` and
-        ``add_residual=False`` where the backend declares them. Then a few cases of the op's other
-        build options and call layouts (:meth:`_variant_cases`)."""
+        declared weight offsets, with ``add_residual=False`` where the backend declares it, and the
+        declared norm options (``Capabilities.norm_options``, in the table's order): the ``k``-th on
+        at shape ``i`` when ``i + k`` is odd, and all of them together at the last shape. Then a few
+        cases of the op's other build options and call layouts (:meth:`_variant_cases`)."""
         caps = cls.spec().capabilities
         offsets = sorted(caps.weight_offsets) if caps.weight_offsets is not None else [0.0, 1.0]
+        declared = [n for n in NORM_OPTIONS if n in caps.norm_options]
+        last = len(cls.shapes) - 1
         out = []
         combos: list[Combo] = []
         for dtype in sorted(caps.dtypes):
@@ -188,12 +192,10 @@ class ConformanceSuite:
                         hidden = admitted_hidden(caps, quant, h)
                         if hidden is None:
                             continue
-                        rbw = caps.round_before_weight and i % 3 == 2
                         nores = caps.residual_free and i % 4 == 1
-                        unrounded = caps.normalize_unrounded and i % 2 == 0
+                        on = frozenset(n for k, n in enumerate(declared) if i == last or (i + k) % 2)
                         offset = float(offsets[i % len(offsets)])
-                        case = Case(t, hidden, dtype, q, layout, offset, rbw, not nores)
-                        out.append(dataclasses.replace(case, normalize_unrounded=unrounded))
+                        out.append(Case(t, hidden, dtype, q, layout, offset, on, not nores))
         return out + cls._variant_cases(combos, float(offsets[0]))
 
     @classmethod

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from arnorm.plugin import ArnormError, BackendSetupError, Output
+from arnorm.plugin import ArnormError, BackendSetupError, Output, RMSNorm
 from arnorm_triton.symm._plugin import (
     DEFAULT_MAX_BYTES,
     DEFAULT_SPIN_LIMIT,
@@ -92,10 +92,7 @@ class TritonSymmBackend:
             quant=problem.quant,
             layout=self._plan.layout,
             write_normed=problem.normed_output,
-            eps=problem.eps,
-            weight_offset=problem.weight_offset,
-            round_before_weight=problem.round_before_weight,
-            normalize_unrounded=problem.normalize_unrounded,
+            norm=RMSNorm.with_options(problem.eps, problem.weight_offset, problem.norm_options),
             # Integer-bit casts only in the interpreter (the CPU protocol tests drive this class).
             soft=INTERPRETED,
             soft_fp8=_soft_fp8(problem) or INTERPRETED,

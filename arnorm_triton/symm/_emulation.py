@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from arnorm.plugin import Output
+from arnorm.plugin import Output, RMSNorm
 from arnorm_triton._outputs import OutputPlan
 from arnorm_triton.symm._launch import SymmLauncher
 from arnorm_triton.symm._workspace import SENTINEL_BYTE, Layout, SymmWorkspace, emulated, plan_layout
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["emulate_call", "initial_contents", "shared_workspace"]
 
+_PLAIN = RMSNorm()
+
 
 def emulate_call(
     partials: Sequence[torch.Tensor],
@@ -29,10 +31,7 @@ def emulate_call(
     weight: torch.Tensor,
     scale: torch.Tensor | None,
     *,
-    eps: float = 1e-6,
-    weight_offset: float = 0.0,
-    round_before_weight: bool = False,
-    normalize_unrounded: bool = False,
+    norm: RMSNorm = _PLAIN,
     quant: str | None = None,
     layout: str | None = None,
     normed: bool = True,
@@ -46,7 +45,8 @@ def emulate_call(
 ) -> tuple[list[Output], list[Any]]:
     """Run one call on ``len(partials)`` emulated ranks; ``(outputs per rank, workspaces)``.
 
-    ``residual``: one tensor for every rank or one per rank. ``workspaces`` from an earlier call
+    ``residual``: one tensor for every rank or one per rank; ``norm``: the op's norm (default: plain,
+    eps 1e-6). ``workspaces`` from an earlier call
     are reused (their contents stay, as on a GPU). ``push``: the push one-shot (the workspaces
     must have a push region of at least ``T`` rows). Integer-bit casts in the interpreter; on a GPU,
     ``soft_fp8`` picks the e4m3 conversion (default: the hardware's).
@@ -74,10 +74,7 @@ def emulate_call(
             quant=quant,
             layout=layout,
             write_normed=normed,
-            eps=eps,
-            weight_offset=weight_offset,
-            round_before_weight=round_before_weight,
-            normalize_unrounded=normalize_unrounded,
+            norm=norm,
             soft=INTERPRETED,
             soft_fp8=INTERPRETED if soft_fp8 is None else soft_fp8 or INTERPRETED,
             sync=False,

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from arnorm_triton import _kernels as K
 from arnorm_triton._direct import HOOK_CHAIN, RUNTIME, bound_launchers
+from arnorm_triton._launch import norm_constexprs
 from arnorm_triton._launch_table import default_num_warps
 from arnorm_triton.symm import _kernels as S
 
 if TYPE_CHECKING:
     import torch
 
+    from arnorm.plugin import RMSNorm
     from arnorm_triton.symm._workspace import SymmWorkspace
 
 __all__ = ["SymmLauncher"]
@@ -42,6 +44,7 @@ class SymmLauncher:
     ``sf`` may be ``None`` where the variant neither reads nor writes them). ``sync=False`` builds
     the emulation variant (no flag operations or polls; the caller runs the stages in order over
     all ranks). ``pdl``: programmatic dependent launch (CUDA SM 9.0+; never with ``sync=False``).
+    ``norm``: the op's :class:`arnorm.plugin.RMSNorm` (options as ``triton``'s constexprs).
     """
 
     def __init__(
@@ -51,11 +54,8 @@ class SymmLauncher:
         quant: str | None,
         layout: str | None,
         write_normed: bool,
-        eps: float,
-        weight_offset: float,
-        round_before_weight: bool,
+        norm: RMSNorm,
         soft: bool,
-        normalize_unrounded: bool = False,
         soft_fp8: bool,
         sync: bool = True,
         spin_limit: int = 0,
@@ -65,8 +65,8 @@ class SymmLauncher:
         block, group, vec = K.row_shape(lay.hidden, quant, lay.itemsize)
         self.workspace = workspace
         self.slots = lay.slots
-        self.eps = float(eps)
-        self.weight_offset = float(weight_offset)
+        self.eps = float(norm.eps)
+        self.weight_offset = float(norm.weight_offset)
         self.spin_limit = spin_limit if spin_limit > 0 else UNBOUNDED_SPINS
         self.swizzled = K.is_swizzled(quant, layout)
         # The warp count changes the order of the sum of squares: a function of BLOCK alone keeps
@@ -80,14 +80,13 @@ class SymmLauncher:
             "QUANT": K.QUANT_CODES[quant],
             "SWIZZLED": self.swizzled,
             "WRITE_NORMED": write_normed,
-            "ROUND_BEFORE_WEIGHT": round_before_weight,
             "SOFT": soft,
             "SOFT_FP8": soft_fp8,
             "WORLD": lay.world,
             "SLOTS": lay.slots,
             "SYNC": sync,
             "USE_PDL": pdl and sync,
-            "NORMALIZE_UNROUNDED": normalize_unrounded,
+            **norm_constexprs(norm),
         }
         names = S.symm_allreduce_norm_kernel.arg_names
         #: Every constexpr in signature order, ``STAGE=0`` included (the direct launch's tail).

@@ -91,7 +91,7 @@ def test_symm_push_one_shot_and_two_shot_give_every_row_its_bits_alone(quant, wo
 
     h, pool = EMU_H, 9
     partials, residual, weight = _rows(world, pool, h, seed=world)
-    kw = {"quant": quant, "weight_offset": 1.0, "slots": 4}
+    kw = {"quant": quant, "norm": arnorm.RMSNorm(weight_offset=1.0), "slots": 4}
     alone = []
     for i in range(pool):
         row = [p[i : i + 1] for p in partials]
@@ -123,7 +123,7 @@ def test_symm_and_triton_exact_agree_on_every_row():
     partials, residual, weight = _rows(world, t, h, seed=7)
     outs, _ = emulate_call(partials, residual, weight, None, push=True)
     launcher = FusedLauncher(hidden=h, itemsize=2, quant=None, layout=None, write_normed=True,
-                             num_partials=world, eps=1e-6, weight_offset=0.0, soft=INTERPRETED,
+                             num_partials=world, norm=arnorm.RMSNorm(), soft=INTERPRETED,
                              soft_fp8=INTERPRETED, num_warps=default_num_warps(h))  # fmt: skip
     x = torch.cat(partials)
     h_out = torch.empty(t, h, dtype=torch.bfloat16, device=DEVICE)

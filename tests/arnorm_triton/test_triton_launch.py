@@ -22,6 +22,7 @@ import arnorm_triton._direct as direct_module
 import arnorm_triton._kernels as kernels
 import arnorm_triton._launch as launch_module
 import arnorm_triton._swizzle as swizzle_module
+from arnorm.plugin import RMSNorm
 from arnorm.quant import quantize
 from arnorm_triton._launch import FusedLauncher
 
@@ -111,8 +112,9 @@ def _setup(monkeypatch, corrupt: bool):
 
 
 def _launcher(quant: str | None = None, layout: str | None = None, **kw) -> FusedLauncher:
-    fixed = {"hidden": 256, "itemsize": 2, "write_normed": True, "num_partials": 1, "eps": 1e-6, "soft": True}
-    return FusedLauncher(quant=quant, layout=layout, weight_offset=1.0, soft_fp8=True, **fixed, **kw)
+    fixed = {"hidden": 256, "itemsize": 2, "write_normed": True, "num_partials": 1, "soft": True}
+    norm = RMSNorm(weight_offset=1.0)
+    return FusedLauncher(quant=quant, layout=layout, norm=norm, soft_fp8=True, **fixed, **kw)
 
 
 def _buffers(t: int, h: int, quant: str | None = "nvfp4"):
@@ -386,3 +388,23 @@ def test_kernel_codes_and_launch_table_keys_are_the_format_tables_codes():
     for key in (*_launch_table.TABLE, *_launch_table.TWO_PASS_FROM):
         assert key[2] in known, key
     assert {key[2] for key in _launch_table.TWO_PASS_FROM} == {FORMAT_SPECS["nvfp4"].code}
+
+
+def test_norm_constexprs_are_the_declared_options_in_capitals():
+    """One constexpr per option triton declares, each a parameter of both kernels (the fused one and
+    triton_symm's); an option it does not declare is refused, never launched as the default."""
+    from arnorm_triton._launch import norm_constexprs
+    from arnorm_triton._plugin import CAPABILITIES
+    from arnorm_triton.symm import _kernels as symm_kernels
+
+    declared = sorted(CAPABILITIES.norm_options)
+    assert norm_constexprs(RMSNorm()) == {n.upper(): False for n in declared}
+    for name in declared:
+        assert norm_constexprs(RMSNorm(**{name: True}))[name.upper()] is True
+        assert name.upper() in kernels.fused_add_rmsnorm_quant_kernel.arg_names
+        assert name.upper() in symm_kernels.symm_allreduce_norm_kernel.arg_names
+    none = CAPABILITIES.model_copy(update={"norm_options": frozenset()})
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(launch_module, "CAPABILITIES", none)
+        with pytest.raises(ValueError, match="norm options"):
+            norm_constexprs(RMSNorm(round_before_weight=True))

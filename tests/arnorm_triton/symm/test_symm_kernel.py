@@ -19,7 +19,7 @@ from triton_cases import (
     variant_id,
 )
 
-from arnorm.plugin import add_rmsnorm, rank_order_sum
+from arnorm.plugin import RMSNorm, add_rmsnorm, rank_order_sum
 from arnorm_triton.symm._emulation import emulate_call
 from arnorm_triton.symm._workspace import SENTINEL_BYTE
 
@@ -69,8 +69,8 @@ def test_every_format_bitwise_on_every_rank(variant, world, kind):
     problem = make_problem(
         H, torch.bfloat16, quant, layout, weight_offset=1.0, world_size=world, device=DEVICE
     )
-    outs, _ = emulate_call(parts, res, w, scale, weight_offset=1.0, quant=quant, layout=layout, slots=4,
-                           **KINDS[kind])  # fmt: skip
+    outs, _ = emulate_call(parts, res, w, scale, norm=RMSNorm(weight_offset=1.0), quant=quant, layout=layout,
+                           slots=4, **KINDS[kind])  # fmt: skip
     _check_all_ranks(outs, parts, res, w, problem, scale)
 
 
@@ -91,8 +91,9 @@ def test_zero_copy_input_and_round_before_weight(two_shot):
     parts, res, w = _inputs(2, 5, seed=5)
     problem = make_problem(H, torch.bfloat16, "fp8_per_token", world_size=2, device=DEVICE,
                            round_before_weight=True)  # fmt: skip
-    outs, wss = emulate_call(parts, res, w, None, quant="fp8_per_token", round_before_weight=True,
-                             two_shot=two_shot, zero_copy=True, slots=2)  # fmt: skip
+    outs, wss = emulate_call(parts, res, w, None, quant="fp8_per_token",
+                             norm=RMSNorm(round_before_weight=True), two_shot=two_shot, zero_copy=True,
+                             slots=2)  # fmt: skip
     _check_all_ranks(outs, parts, res, w, problem, None)
     for out, ws in zip(outs, wss, strict=True):
         assert out.residual.data_ptr() != ws.inputs(5).data_ptr()
@@ -108,8 +109,9 @@ def test_normalize_unrounded(kind):
     s = rank_order_sum(parts)
     _, y_ref = add_rmsnorm(s, res, w, 1e-6, 1.0, normalize_unrounded=True)
     scale = make_scale("fp8_static", y_ref)
-    outs, _ = emulate_call(parts, res, w, scale, quant="fp8_static", weight_offset=1.0,
-                           normalize_unrounded=True, slots=2, **KINDS[kind])  # fmt: skip
+    outs, _ = emulate_call(parts, res, w, scale, quant="fp8_static",
+                           norm=RMSNorm(weight_offset=1.0, normalize_unrounded=True), slots=2,
+                           **KINDS[kind])  # fmt: skip
     _check_all_ranks(outs, parts, res, w, problem, scale)
     _, y_rounded = add_rmsnorm(s, res, w, 1e-6, 1.0)
     assert (outs[0].normed != y_rounded).any(), "the kernel must read the unrounded sum"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from arnorm.plugin import RMSNorm
 from arnorm_triton import _kernels as K
 from arnorm_triton._direct import Bound
 from arnorm_triton.symm import _kernels as S
@@ -18,8 +19,8 @@ def _launcher(quant=None, layout=None, world=2, slots=4):
     lay = plan_layout(world=world, slots=slots, hidden=H, itemsize=2, max_tokens=8, max_bytes=1 << 20,
                       oneshot_max=3)  # fmt: skip
     ws = emulated(lay, torch.bfloat16)[1]
-    launcher = L.SymmLauncher(ws, quant=quant, layout=layout, write_normed=True, eps=1e-6, weight_offset=1.0,
-                              round_before_weight=False, soft=True, soft_fp8=True, sync=True,
+    launcher = L.SymmLauncher(ws, quant=quant, layout=layout, write_normed=True,
+                              norm=RMSNorm(weight_offset=1.0), soft=True, soft_fp8=True, sync=True,
                               spin_limit=100)  # fmt: skip
     return launcher, ws
 
@@ -119,8 +120,8 @@ def test_pdl_launches_with_launch_pdl_and_never_in_emulation(recorded):
     lay = plan_layout(world=2, slots=4, hidden=H, itemsize=2, max_tokens=8, max_bytes=1 << 20, oneshot_max=3,
                       push_max=3)  # fmt: skip
     ws = emulated(lay, torch.bfloat16)[0]
-    kw = {"quant": None, "layout": None, "write_normed": True, "eps": 1e-6, "weight_offset": 0.0,
-          "round_before_weight": False, "soft": True, "soft_fp8": True}  # fmt: skip
+    kw = {"quant": None, "layout": None, "write_normed": True, "norm": RMSNorm(), "soft": True,
+          "soft_fp8": True}  # fmt: skip
     for sync, expect in ((True, True), (False, False)):
         launcher = L.SymmLauncher(ws, sync=sync, pdl=True, **kw)
         assert launcher.constexprs["USE_PDL"] is expect
