@@ -20,6 +20,7 @@ from arnorm.testing import run_ranks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def report(request):
     import vllm_lane_ranks
