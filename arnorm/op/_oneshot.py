@@ -73,7 +73,8 @@ def fused_allreduce_norm(
         needs = join_or(f"torch.{d}" for d in DTYPES)
         raise InvalidInputError(f"hidden_states: dtype {hidden_states.dtype} (needs {needs})")
     t, h = hidden_states.shape
-    unknown = sorted(set(norm_options) - set(NORM_OPTIONS))
+    # Checked only when options are passed: the common call pays nothing for the check.
+    unknown = sorted(set(norm_options) - set(NORM_OPTIONS)) if norm_options else None
     if unknown:
         raise InvalidInputError(
             f"{unknown[0]}: not an argument (needs an argument of fused_allreduce_norm or a norm "
