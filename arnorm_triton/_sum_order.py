@@ -15,7 +15,9 @@ vectors four at a time (``ilp_factor``), and ``multi_row_sum`` adds the groups i
 of ``4 * L`` lanes, cascading it into a second accumulator every 16 groups and into a third every
 256 (``num_levels = 4``, ``level_power = 4`` for rows under ``2**20`` groups), then adds the levels
 up. Leftover vectors go into the first ``L`` lanes; the four ``L``-lane parts are added in order;
-a scalar tail ``H mod L`` is summed first, then the ``L`` lanes one by one.
+a scalar tail ``H mod L`` is summed first, then the ``L`` lanes one by one. A row shorter than one
+vector (``H < L``) takes ATen's scalar path instead: ``row_sum`` over scalars, four columns summed
+down, the tail added into the first, then the four columns in order.
 
 ``L`` is a property of the torch build and the CPU (8 with AVX2 kernels, 16 with AVX512 ones), so
 :func:`torch_sum_lanes` measures it once, against torch itself, and returns 0 (the tree) when
@@ -47,6 +49,8 @@ def aten_row_sum(values: object, lanes: int) -> float:
 
     q = np.asarray(values, dtype=np.float32)
     n = q.shape[0]
+    if n < lanes:
+        return _scalar_row_sum(q)
     vectors, width = n // lanes, 4 * lanes
     groups = vectors // 4
     if groups >= _MAX_GROUPS:
@@ -71,6 +75,26 @@ def aten_row_sum(values: object, lanes: int) -> float:
     return float(total)
 
 
+def _scalar_row_sum(q: object) -> float:
+    """ATen's sum of a row shorter than a vector (``cascade_sum`` takes ``scalar_inner_sum``):
+    ``row_sum`` of scalars, four columns summed down, the tail added into column 0, then the four
+    columns in order."""
+    import numpy as np
+
+    n = len(q)  # type: ignore[arg-type]
+    rows = n // 4
+    cols = [np.float32(0.0)] * 4
+    for i in range(rows):
+        for k in range(4):
+            cols[k] = np.float32(cols[k] + q[4 * i + k])  # type: ignore[index]
+    for x in q[4 * rows :]:  # type: ignore[index]
+        cols[0] = np.float32(cols[0] + x)
+    total = cols[0]
+    for k in range(1, 4):
+        total = np.float32(total + cols[k])
+    return float(total)
+
+
 @functools.cache
 def torch_sum_lanes() -> int:
     """The lane count with which :func:`aten_row_sum` reproduces torch's CPU sum here (8 or 16),
@@ -91,6 +115,24 @@ def torch_sum_lanes() -> int:
 
 
 @triton.jit
+def _short_row_sum(sq, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_scalar_row_sum` for the kernel (``HIDDEN`` under one vector)."""
+    ROWS: tl.constexpr = HIDDEN // 4
+    at = tl.arange(0, BLOCK)
+    k = tl.arange(0, 4)
+    r = tl.arange(0, BLOCK // 4)[:, None]
+    grid = tl.reshape(tl.where(at < ROWS * 4, sq, 0.0), [BLOCK // 4, 4])
+    cols = tl.reduce(tl.where(r == BLOCK // 4 - 1, tl.associative_scan(grid, 0, _add), 0.0), 0, _add)
+    col0 = tl.reduce(tl.where(k == 0, cols, 0.0), 0, _add)
+    # Column 0, then the tail one by one: a fold of the tail with column 0 put at the front (when
+    # there is no row, column 0 is zero and entry 0 is the tail's first).
+    chain = tl.where((at >= ROWS * 4) & (at < HIDDEN), sq, 0.0) + tl.where(at == 0, col0, 0.0)
+    first = tl.reduce(tl.where(at == BLOCK - 1, tl.associative_scan(chain, 0, _add), 0.0), 0, _add)
+    cols = tl.where(k == 0, first, cols)
+    return tl.reduce(tl.where(k == 3, tl.associative_scan(cols, 0, _add), 0.0), 0, _add)
+
+
+@triton.jit
 def aten_sum(sq, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr):
     """The fp32 sum of ``sq`` (``[BLOCK]``, zero at and beyond ``HIDDEN``) in ATen's CPU order with
     ``LANES`` lanes (:func:`aten_row_sum`), for the interpreter only: the GPU kernels sum in a tree.
@@ -106,6 +148,8 @@ def aten_sum(sq, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr)
     and one function: those two are jit functions, and the interpreter re-patches all of
     ``triton.language`` on every jit call, which cost more than this arithmetic (5x the kernel).
     With the standard sum combine it still runs numpy's ``sum`` / ``cumsum``."""
+    if HIDDEN < LANES:
+        return _short_row_sum(sq, HIDDEN, BLOCK)
     WIDTH: tl.constexpr = 4 * LANES
     ROWS: tl.constexpr = BLOCK // WIDTH
     VECTORS: tl.constexpr = HIDDEN // LANES

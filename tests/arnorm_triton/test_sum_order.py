@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU order
 
 #: Lengths that reach every branch of aten_sum for 8 and 16 lanes: no group, fewer than 16 rows of
 #: groups, open and closed chunks, 16 chunks and more, leftover vectors, a scalar tail.
-HIDDENS = [1, 7, 8, 31, 32, 33, 100, 255, 256, 1000, 1024, 2056, 4100, 8192, 8216, 16416]
+HIDDENS = [1, 3, 4, 5, 7, 8, 13, 15, 16, 31, 32, 33, 100, 255, 256, 1000, 1024, 2056, 4100, 8192, 8216, 16416]
 
 
 def _squares(n: int, seed: int) -> np.ndarray:
@@ -52,6 +52,15 @@ def test_the_written_order_is_torchs(n, seed):
     assert aten_row_sum(q, lanes) == torch.from_numpy(q).sum().item()
     rows = torch.from_numpy(np.stack([q, q[::-1].copy()]))
     assert aten_row_sum(q, lanes) == rows.sum(dim=-1)[0].item()
+
+
+@pytest.mark.parametrize("n", range(1, 41))
+def test_short_rows_are_summed_in_torchs_order(n):
+    """Rows up to a few vectors long, every length: shorter than one vector, ATen takes its scalar
+    path (CI found n=5 summed in the vector path's order, 2026-12-07)."""
+    for seed in range(20):
+        q = _squares(n, seed)
+        assert aten_row_sum(q, torch_sum_lanes()) == torch.from_numpy(q).sum().item(), seed
 
 
 @triton.jit
@@ -80,7 +89,7 @@ def test_rows_too_long_for_the_written_cascade_are_refused():
 
 @pytest.mark.parametrize("unrounded", [False, True], ids=["rounded", "unrounded"])
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["plain", "gemma"])
-@pytest.mark.parametrize(("t", "hidden"), [(64, 256), (16, 1024), (3, 1000)])
+@pytest.mark.parametrize(("t", "hidden"), [(64, 256), (16, 1024), (3, 1000), (64, 5), (40, 12)])
 def test_fp16_normed_is_torch_natives(t, hidden, offset, unrounded):
     """The fused kernel's fp16 normed output and residual, bitwise torch's: arnorm's reference and
     vLLM 0.33's ``fused_add_rms_norm`` arithmetic (fp32 ``x + res``, ``x.pow(2).mean(-1)``,
