@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, Protocol, get_args
 
-__all__ = ["NORM_OPTIONS", "NormOption", "NormOptionName", "Round3OptionAttributes", "with_option_keywords"]
+__all__ = ["NORM_OPTIONS", "FirstOptionsAsAttributes", "NormOption", "NormOptionName", "with_option_keywords"]
 
 #: The norm options, in the order the docs list them: the names of ``RMSNorm``'s bool fields.
 NormOptionName = Literal["round_before_weight", "normalize_unrounded"]
@@ -104,7 +104,7 @@ class _HasNormOptions(Protocol):
     def norm_options(self) -> frozenset[str]: ...
 
 
-class Round3OptionAttributes:
+class FirstOptionsAsAttributes:
     """``round_before_weight`` and ``normalize_unrounded`` as attributes of ``Problem`` and
     ``Capabilities``, each True when ``norm_options`` names it: round 3 spelt the two options as
     fields of both, and plugins read them. An option added later gets none (read ``norm_options``)."""

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from arnorm._norm import NORM_OPTIONS, NormOptionName, Round3OptionAttributes, with_option_keywords
+from arnorm._norm import NORM_OPTIONS, FirstOptionsAsAttributes, NormOptionName, with_option_keywords
 
 __all__ = ["Problem"]
 
 
 @dataclass(frozen=True, slots=True)
-class Problem(Round3OptionAttributes):
+class Problem(FirstOptionsAsAttributes):
     """The static description of one ``AllReduceNorm``: identical on every rank.
 
     ``platform`` is ``"cuda"``, ``"rocm"`` or ``"cpu"``; ``arch`` the CUDA compute capability

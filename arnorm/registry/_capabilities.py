@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from arnorm import _formats
-from arnorm._norm import NORM_OPTIONS, NormOptionName, Round3OptionAttributes, with_option_keywords
+from arnorm._norm import NORM_OPTIONS, FirstOptionsAsAttributes, NormOptionName, with_option_keywords
 from arnorm._problem import Problem
 
 __all__ = [
@@ -36,7 +36,7 @@ QuantChoice = _formats.QuantChoice
 Layout = _formats.LayoutName
 
 
-class Capabilities(BaseModel, Round3OptionAttributes):
+class Capabilities(BaseModel, FirstOptionsAsAttributes):
     """What a backend declares, checked against a :class:`Problem` before anything is imported.
 
     A backend's probe keeps only what cannot be declared here (versions, topology, devices).
