@@ -29,6 +29,7 @@ or more than one row (a lone row larger than that is split across threads).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -75,19 +76,19 @@ def aten_row_sum(values: object, lanes: int) -> float:
     return float(total)
 
 
-def _scalar_row_sum(q: object) -> float:
+def _scalar_row_sum(q: Any) -> float:
     """ATen's sum of a row shorter than a vector (``cascade_sum`` takes ``scalar_inner_sum``):
     ``row_sum`` of scalars, four columns summed down, the tail added into column 0, then the four
     columns in order."""
     import numpy as np
 
-    n = len(q)  # type: ignore[arg-type]
+    n = len(q)
     rows = n // 4
     cols = [np.float32(0.0)] * 4
     for i in range(rows):
         for k in range(4):
-            cols[k] = np.float32(cols[k] + q[4 * i + k])  # type: ignore[index]
-    for x in q[4 * rows :]:  # type: ignore[index]
+            cols[k] = np.float32(cols[k] + q[4 * i + k])
+    for x in q[4 * rows :]:
         cols[0] = np.float32(cols[0] + x)
     total = cols[0]
     for k in range(1, 4):
