@@ -24,8 +24,9 @@ from arnorm_triton._sum_order import aten_row_sum, aten_sum, torch_sum_lanes
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU order: interpreter only")
 
-#: Lengths that reach every branch of aten_sum for 8 and 16 lanes: no group, fewer than 16 rows of
-#: groups, open and closed chunks, 16 chunks and more, leftover vectors, a scalar tail.
+#: Lengths that reach every branch of aten_sum for 8 and 16 lanes: shorter than a vector (with and
+#: without a row of four), no group, fewer than 16 rows of groups, open and closed chunks, 16 chunks
+#: and more, leftover vectors, a scalar tail.
 HIDDENS = [1, 3, 4, 5, 7, 8, 13, 15, 16, 31, 32, 33, 100, 255, 256, 1000, 1024, 2056, 4100, 8192, 8216, 16416]
 
 
