@@ -119,6 +119,9 @@ class Channel:
                 continue
             missing = [r for r in peers if not store.check([self._key(step, r)])]
             if not missing:
+                # Every key is there, but a peer may have written its own and then given up on this
+                # step (its wait timed out before this rank arrived): it will never read this rank's.
+                self._raise_if_gave_up(peers, step)
                 return
             # A peer may write this step's key, finish the step and abandon the op (it raised the
             # error every rank raises) between the check above and the look at its notes: a note
@@ -131,6 +134,26 @@ class Channel:
             # where a peer is usually a moment behind, then a few times a second.
             time.sleep(min(pause, left))
             pause = min(pause * 2, _SLICE_S)
+
+    def _raise_if_gave_up(self, peers: list[int], step: int) -> None:
+        """PeerError when a peer abandoned this build before completing gather ``step``."""
+        for r in peers:
+            note = self.note(r)
+            if note is not None and self.passed_by(r) <= step:
+                raise PeerError(self._late_message(r, note))
+
+    def _late_message(self, rank: int, note: str) -> str:
+        at = self._read(f"{self.prefix}/abandon_at/{rank}")
+        when = ""
+        if at is not None:
+            t = float(at)
+            stamp = time.strftime("%H:%M:%S", time.gmtime(t))
+            when = f" at {stamp} UTC, {max(0.0, time.time() - t):.1f} s before this rank arrived"
+        return (
+            f"peers: {self.who([rank])} gave up on {self.phase} {self.describe()}{when} ({note}) "
+            f"(needs every rank of the group to reach it within peer_timeout / ARNORM_PEER_TIMEOUT, "
+            f"{self.timeout:g} s: build the op again on every rank)"
+        )
 
     def _join_later_build(self, missing: list[int], payload: bytes) -> bool:
         """A peer already building a later op on this group: this rank's count fell behind (a
@@ -163,7 +186,11 @@ class Channel:
             keys = [self._key(self.step - 1, r) for r in range(self.world)] if self.step else []
             # The op's gloo communicator's rendezvous (Comm.open_data), and notes of a failed op.
             keys += [f"{self.prefix}/data/0/{r}" for r in range(self.world)]
-            keys += [f"{self.prefix}/{note}/{r}" for note in ("abandon", "passed") for r in range(self.world)]
+            keys += [
+                f"{self.prefix}/{note}/{r}"
+                for note in ("abandon", "abandon_at", "passed")
+                for r in range(self.world)
+            ]
             for key in [*keys, f"{self.prefix}/closed"]:
                 store.delete_key(key)
 
@@ -188,6 +215,7 @@ class Channel:
         with contextlib.suppress(Exception):
             # Before the note: a peer that sees this rank at a later op reads both.
             self.store.set(f"{self.prefix}/passed/{self.rank}", str(self.passed))
+            self.store.set(f"{self.prefix}/abandon_at/{self.rank}", repr(time.time()))
             self.store.set(f"{self.prefix}/abandon/{self.rank}", reason)
 
     def _read(self, key: str) -> bytes | None:

@@ -1,0 +1,30 @@
+"""Agreement over the store (arnorm.comm._rendezvous): a rank that arrives after its peers gave up."""
+
+from __future__ import annotations
+
+import comm_ranks
+import pytest
+
+from arnorm.testing import run_ranks
+
+pytestmark = pytest.mark.slow
+
+ENV = {"ARNORM_PEER_TIMEOUT": "2"}
+
+
+@pytest.mark.parametrize("subgroup", [True, False], ids=["subgroup", "world"])
+def test_a_rank_late_for_construction_after_its_peers_timed_out_gets_peer_error(subgroup):
+    """The late rank used to pass the agreement on its peer's stale key and fail in the data
+    communicator's rendezvous with torch's raw DistStoreError, after the timeout. Now PeerError at
+    once, naming the rank that gave up (by global rank) and when."""
+    world = 3 if subgroup else 2
+    results = run_ranks(world, comm_ranks.late_after_peers_timed_out, subgroup, env=ENV, timeout=90)
+    peer = results[1] if subgroup else results[0]
+    assert peer[:2] == ("error", "PeerError"), peer
+    (kind, name, message), took = results[-1]
+    assert (kind, name) == ("error", "PeerError"), (kind, name, message)
+    gave_up = "rank 1 [group rank 0]" if subgroup else "rank 0"
+    group = "[1, 2]" if subgroup else "[0, 1]"
+    assert message.startswith(f"peers: {gave_up} gave up on building op #1 on group {group} at "), message
+    assert " UTC, " in message and "s before this rank arrived" in message, message
+    assert took < 1.5, took  # at once, not after another timeout
