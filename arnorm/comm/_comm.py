@@ -90,7 +90,7 @@ class Comm:
 
     __slots__ = (
         "_broken", "_data", "_stepped", "calls", "channel", "cpu_group", "device", "group", "mid_step",
-        "rank", "world_size",
+        "rank", "ranks", "world_size",
     )  # fmt: skip
 
     def __init__(self, group: Any, device: torch.device, cpu_group: Any = None) -> None:
@@ -107,12 +107,15 @@ class Comm:
         self._broken = ""
         #: A step's header is out and its data collective is not (arnorm.comm._steps).
         self.mid_step = False
+        #: The group's global ranks, in group order: messages name a rank as the user knows it.
+        self.ranks: tuple[int, ...] = (0,)
         if group is None:
             self.rank, self.world_size = 0, 1
             return
         import torch.distributed as dist
 
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks = tuple(dist.get_process_group_ranks(group))
         if cpu_group is None:
             # Agreement without a CPU group would silently agree with this rank alone.
             if not _supports_cpu(group):
@@ -253,7 +256,7 @@ class Comm:
         for r, (step, status, _) in enumerate(seen):
             if status == _SKIP:
                 raise self._fail(
-                    f"op out of step on rank {r}: it rejected its call {step} before the collective "
+                    f"op out of step on {self.who(r)}: it rejected its call {step} before the collective "
                     "(its error is raised there) while this rank made the call; build a new op (needs "
                     "the same calls on every rank; ARNORM_CHECK_CALLS=1 makes every rank raise the "
                     "rejection itself, with its reason, and keeps the op usable)"
@@ -261,24 +264,27 @@ class Comm:
             if status == _POISON:
                 note = self.channel.note(r) if self.channel is not None else None
                 raise self._fail(
-                    note or f"op out of step on {self._who(r)}: its call {step} failed; build a new op"
+                    note or f"op out of step on {self.who(r)}: its call {step} failed; build a new op"
                 )
             if step != self.calls:
                 raise self._fail(
-                    f"op out of step: {self._who(r)} is at call {step}, this rank at {self.calls} (needs "
+                    f"op out of step: {self.who(r)} is at call {step}, this rank at {self.calls} (needs "
                     "every rank to make the same calls of the op; build a new op)"
                 )
         sizes = [n for _, _, n in seen]
         if any(n != numel for n in sizes):
-            detail = ", ".join(f"{self._who(r)}: {n}" for r, n in enumerate(sizes))
+            detail = ", ".join(f"{self.who(r)}: {n}" for r, n in enumerate(sizes))
             raise InvalidInputError(
                 f"calls: differ across ranks ({detail} elements to exchange) (needs the same call on "
                 "every rank; ARNORM_CHECK_CALLS=1 says which argument differs)"
             )
 
-    def _who(self, r: int) -> str:
-        """Group rank ``r`` named by its global rank (its group rank in brackets where they differ)."""
-        return self.channel.who([r]) if self.channel is not None else f"rank {r}"
+    def who(self, r: int) -> str:
+        """Group rank ``r`` named by its global rank (its group rank in brackets where they differ):
+        ``"rank 2 [group rank 1]"`` on group [1, 2], ``"rank 1"`` on WORLD."""
+        from arnorm.comm._rendezvous import ranks_text
+
+        return ranks_text([r], self.ranks if len(self.ranks) == self.world_size else None)
 
     def _fail(self, message: str) -> PeerError:
         self._broken = message
@@ -312,7 +318,7 @@ class Comm:
 
         others = [r for r in range(self.world_size) if r != self.rank]
         missing = others if channel is None or len(others) == 1 else channel.late_ranks(self.calls)
-        group = None if channel is None else channel.ranks  # named by global rank
+        group = self.ranks  # named by global rank
         peers = ranks_text(missing, group) if missing else f"one or more of {ranks_text(others, group)}"
         timeout = channel.timeout if channel is not None else 0
         message = (

@@ -77,7 +77,7 @@ def call_failed(op: Any, exc: BaseException) -> None:
         else:
             which = "a call"
         message = (
-            f"op out of step on rank {comm.rank}: {which} failed with {text}; "
+            f"op out of step on {comm.who(comm.rank)}: {which} failed with {text}; "
             "build a new op (the failed call's collectives may be missing on that rank, so no rank "
             "may use this op again)"
         )

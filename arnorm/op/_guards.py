@@ -161,7 +161,7 @@ def agree_call(
         # The same call, rejected the same way on every rank (or the only rank): that is the error.
         raise InvalidInputError(error)
     detail = "; ".join(
-        f"rank {r}: call {s[0]}, hidden_states {s[1]}, residual {s[2]}, weight {s[3]}, "
+        f"{comm.who(r)}: call {s[0]}, hidden_states {s[1]}, residual {s[2]}, weight {s[3]}, "
         f"scale {'none' if s[4] else 'given'}" + (f", rejected: {s[5]}" if s[5] else "")
         for r, s in enumerate(seen)
     )

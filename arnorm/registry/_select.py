@@ -140,7 +140,7 @@ def check_locally(
     return out
 
 
-def _merge_one(name: str, per_rank: list[Verdict | None]) -> Verdict:
+def _merge_one(name: str, per_rank: list[Verdict | None], who: Any = "rank {}".format) -> Verdict:
     """One verdict from every rank's; reasons that hold on some ranks only carry ``rank <r>:``."""
     missing = Verdict(
         name, "unknown", ("registry: not registered on this rank (needs the same plugins on every rank)",)
@@ -150,15 +150,17 @@ def _merge_one(name: str, per_rank: list[Verdict | None]) -> Verdict:
     if all((v.status, v.reasons) == (views[0].status, views[0].reasons) for v in views):
         return Verdict(name, views[0].status, views[0].reasons, priority)
     status = min((v.status for v in views), key=lambda s: _SEVERITY.index(s) if s in _SEVERITY else 0)
-    reasons = tuple(f"rank {r}: {reason}" for r, v in enumerate(views) for reason in v.reasons)
+    reasons = tuple(f"{who(r)}: {reason}" for r, v in enumerate(views) for reason in v.reasons)
     return Verdict(name, status, reasons, priority)
 
 
-def _merge(per_rank: list[dict[str, Verdict]], pref: Preference) -> list[Verdict]:
+def _merge(
+    per_rank: list[dict[str, Verdict]], pref: Preference, who: Any = "rank {}".format
+) -> list[Verdict]:
     names: list[str] = []
     for local in per_rank:
         names.extend(n for n in local if n not in names)
-    verdicts = [_merge_one(n, [local.get(n) for local in per_rank]) for n in names]
+    verdicts = [_merge_one(n, [local.get(n) for local in per_rank], who) for n in names]
     if pref.names is None:
         verdicts.sort(key=lambda v: priority_order(v.priority, v.backend))
     return verdicts
@@ -217,7 +219,7 @@ def agree(comm: Comm, facts: dict[str, Any], error: BaseException | None) -> Non
     failed = [(r, s["error"]) for r, s in enumerate(seen) if s["error"] is not None]
     if failed:
         same = all(e == failed[0][1] for _, e in failed) and len(failed) == len(seen)
-        text = failed[0][1][1] if same else "; ".join(f"rank {r}: {msg}" for r, (_, msg) in failed)
+        text = failed[0][1][1] if same else "; ".join(f"{comm.who(r)}: {msg}" for r, (_, msg) in failed)
         cls = ConfigError if failed[0][1][0] == "ConfigError" else InvalidInputError
         if error is not None and same:
             raise error
@@ -231,7 +233,7 @@ def agree(comm: Comm, facts: dict[str, Any], error: BaseException | None) -> Non
     differ = [k for k in keys if _differ([s["facts"][k] for s in seen if k in s["facts"]])]
     if differ:
         detail = "; ".join(
-            f"rank {r}: " + ", ".join(f"{k}={s['facts'][k]!r}" for k in differ if k in s["facts"])
+            f"{comm.who(r)}: " + ", ".join(f"{k}={s['facts'][k]!r}" for k in differ if k in s["facts"])
             for r, s in enumerate(seen)
         )
         needs = "the same arguments, ARNORM_* settings and Config on every rank"
@@ -329,7 +331,7 @@ def _build(
     failure: tuple[str, ...] = ()
     if any(errors):
         same = len(set(errors)) == 1
-        failure = tuple(e if same else f"rank {r}: {e}" for r, e in enumerate(errors) if e)[
+        failure = tuple(e if same else f"{comm.who(r)}: {e}" for r, e in enumerate(errors) if e)[
             : 1 if same else None
         ]
     elif any(runs != seen[0][1] for _, runs in seen):
@@ -338,7 +340,7 @@ def _build(
         for t in range(1, problem.max_tokens + 1):
             served[t] = all(any(a <= t <= b for a, b in runs) for _, runs in seen)
         if not any(served):
-            detail = "; ".join(f"rank {r}: {list(runs)}" for r, (_, runs) in enumerate(seen))
+            detail = "; ".join(f"{comm.who(r)}: {list(runs)}" for r, (_, runs) in enumerate(seen))
             failure = (f"tokens: no count served by every rank ({detail}) (needs a count every rank serves)",)
     if failure:
         if instance is not None:  # ranks that built it release it; close() is local
@@ -372,7 +374,9 @@ def select(
 
     The caller has already agreed the problem, preference and settings (:func:`agree`).
     """
-    static = _merge(comm.gather_objects(check_locally(problem, registry, pref, probe_all=False)), pref)
+    static = _merge(
+        comm.gather_objects(check_locally(problem, registry, pref, probe_all=False)), pref, comm.who
+    )
     final: dict[str, Verdict] = {v.backend: v for v in static}
     chain: list[Any] = []
     names: list[str] = []
@@ -390,7 +394,7 @@ def select(
         assert spec is not None  # only registered, installed backends reach the probe
         local = probe(spec, problem, config.probe_timeout, comm.device)
         merged = _merge_one(
-            v.backend, [Verdict(v.backend, s, r, v.priority) for s, r in comm.gather_objects(local)]
+            v.backend, [Verdict(v.backend, s, r, v.priority) for s, r in comm.gather_objects(local)], comm.who
         )
         if merged.status != "eligible":
             final[v.backend] = merged

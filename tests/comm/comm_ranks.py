@@ -45,3 +45,33 @@ def late_after_peers_timed_out(rank: int, world: int, subgroup: bool):
     t0 = time.monotonic()
     got = attempt(lambda: _build(group).close())
     return got, time.monotonic() - t0
+
+
+def subgroup_messages(rank: int, world: int):
+    """On the subgroup of global ranks [1, 2]: construction with a different hidden size per rank;
+    a check-mode call with a different token count per rank; a call that global rank 2 rejects
+    (wrong dtype) outside check mode. Each outcome as data."""
+    arnorm.backends()
+    dist.barrier()
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    got = {}
+
+    def build(**kw):
+        kw.setdefault("hidden_size", 8)
+        return arnorm.AllReduceNorm(group, dtype=torch.float32, norm=arnorm.RMSNorm(1e-6), max_tokens=4,
+                                    backend="reference", device="cpu", **kw)  # fmt: skip
+
+    got["construction"] = attempt(lambda: build(hidden_size=8 * rank).close())
+    op = build(config=arnorm.Config(check_calls=True))
+    t = rank  # 1 token on global rank 1, 2 on global rank 2
+    got["check_calls"] = attempt(lambda: op(torch.ones(t, 8), torch.ones(t, 8), torch.ones(8)) and None)
+    op.close()
+    op = build()
+    dtype = torch.float64 if rank == 2 else torch.float32
+    got["rejected"] = attempt(
+        lambda: op(torch.ones(2, 8, dtype=dtype), torch.ones(2, 8), torch.ones(8)) and None
+    )
+    op.close()
+    return got

@@ -28,3 +28,21 @@ def test_a_rank_late_for_construction_after_its_peers_timed_out_gets_peer_error(
     assert message.startswith(f"peers: {gave_up} gave up on building op #1 on group {group} at "), message
     assert " UTC, " in message and "s before this rank arrived" in message, message
     assert took < 1.5, took  # at once, not after another timeout
+
+
+def test_messages_on_a_subgroup_name_global_ranks_with_their_group_position():
+    """Construction, check-mode calls and a call one rank rejected, on the subgroup [1, 2]: every
+    message names global ranks ("rank 2 [group rank 1]"), never a bare group position."""
+    results = run_ranks(3, comm_ranks.subgroup_messages, env=ENV, timeout=120)
+    got = results[1]
+    kind, name, message = got["construction"]
+    assert (kind, name) == ("error", "InvalidInputError"), got
+    assert "(rank 1 [group rank 0]: hidden_size=8; rank 2 [group rank 1]: hidden_size=16)" in message, message
+    kind, name, message = got["check_calls"]
+    assert (kind, name) == ("error", "InvalidInputError"), got
+    assert "rank 1 [group rank 0]: call 1, hidden_states " in message, message
+    assert "; rank 2 [group rank 1]: call 1, hidden_states " in message, message
+    kind, name, message = got["rejected"]
+    assert (kind, name) == ("error", "PeerError"), got
+    assert message.startswith("op out of step on rank 2 [group rank 1]: it rejected its call 1"), message
+    assert results[2]["rejected"][:2] == ("error", "InvalidInputError"), results[2]
