@@ -5,8 +5,17 @@ norms kept in fp32); vLLM's own arithmetic then reads the fp32 values (``weight.
 Gemma, ``x * weight`` in fp32 for the plain norm). An op takes a weight of its own dtype, so the
 fused path may take the weight narrowed to the activations' dtype only when narrowing changes no
 value: then ``fp32(narrow(w)) == w`` and the result is bit for bit the one the fp32 weight gives.
-Otherwise the call runs vLLM's own unfused path, and says why once. The narrowed copy is kept per
-weight tensor and rebuilt when the weight is written to (its version counter moves).
+Otherwise the call runs vLLM's own unfused path, and says why once.
+
+vLLM's weight loader writes a norm's weight through ``param.data.copy_``, which moves no version
+counter, so a narrowed copy kept from an earlier call could go stale without a sign. So the copy
+is never trusted as it stands: on CPU it is made and checked afresh at every call (two passes over
+``H`` values, no device sync to pay); on a GPU the kept buffer is refreshed from the weight at every
+call (one ``H``-element cast kernel, no host sync, captured into CUDA graphs as a read of the
+weight's storage), and whether narrowing is exact is checked again whenever the weight's version,
+storage or shape changes. The one case a GPU call cannot see: values the activations' dtype does
+not hold, written without a version bump, into a weight that held exact values before; those are
+read rounded to the activations' dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import torch
 __all__ = ["fused_weight"]
 
 _NARROW = (torch.float16, torch.bfloat16)
-_cache: dict[tuple[int, torch.dtype], tuple[Any, int, torch.Tensor | None, str | None]] = {}
+_cache: dict[tuple[int, torch.dtype], tuple[Any, int, int, torch.Tensor | None, str | None]] = {}
 
 
 def _narrowed(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, str | None]:
@@ -40,17 +49,30 @@ def fused_weight(weight: Any, hidden_states: Any) -> tuple[Any, str | None]:
     """``(weight the op takes, None)`` or ``(weight, why the call must run unfused)``.
 
     The weight itself when its dtype is the activations' (or when the call is malformed: the
-    caller's check names that); an exact narrowed copy of an fp32 weight for fp16/bf16 activations;
-    otherwise the reason no fused path computes what the module computes."""
+    caller's check names that); an exact narrowed copy of an fp32 weight for fp16/bf16 activations,
+    current with the weight's values (see the module docstring); otherwise the reason no fused path
+    computes what the module computes."""
     if not (isinstance(weight, torch.Tensor) and isinstance(hidden_states, torch.Tensor)):
         return weight, None
     dtype = hidden_states.dtype
     if weight.dtype == dtype or weight.dtype != torch.float32 or dtype not in _NARROW:
         return weight, None
+    if weight.device.type == "cpu":
+        narrow, why = _narrowed(weight, dtype)
+        return (weight, why) if narrow is None else (narrow, None)
     key = (id(weight), dtype)
     hit = _cache.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
-        return (weight, hit[3]) if hit[2] is None else (hit[2], None)
+    if (
+        hit is not None
+        and hit[0]() is weight
+        and hit[1] == weight._version
+        and hit[2] == weight.data_ptr()
+        and (hit[3] is None or hit[3].shape == weight.shape)
+    ):
+        if hit[3] is None:
+            return weight, hit[4]
+        hit[3].copy_(weight.detach())
+        return hit[3], None
     narrow, why = _narrowed(weight, dtype)
-    _cache[key] = (weakref.ref(weight), weight._version, narrow, why)
+    _cache[key] = (weakref.ref(weight), weight._version, weight.data_ptr(), narrow, why)
     return (weight, why) if narrow is None else (narrow, None)

@@ -145,7 +145,8 @@ def op_for(
     norm: Any = None,
 ) -> AllReduceNorm | None:
     """The op calls with this configuration run on (built now if needed: collective); None for a key
-    arnorm has no format for. Its ``explain()`` says which backend serves which token count.
+    arnorm has no format for, or a ``norm`` whose arithmetic no arnorm op computes (its calls run
+    vLLM's own path). Its ``explain()`` says which backend serves which token count.
 
     ``norm``: the norm module the calls hand over (its arithmetic is probed, and a plain norm means
     :func:`fused_allreduce_rms_norm`); None: vLLM 0.33's ``GemmaRMSNorm`` arithmetic, the one the
@@ -157,7 +158,10 @@ def op_for(
     dev = torch.device(device) if device is not None else _default_device()
     probe = torch.empty(0, hidden_size, dtype=dtype, device=dev)
     layout = scale_layout_for(key, quant) if quant is not None else None
-    rmsnorm = _arithmetic(norm, float(eps), dtype, dev).rmsnorm(float(eps))
+    arith = _arithmetic(norm, float(eps), dtype, dev)
+    if arith is None:
+        return None
+    rmsnorm = arith.rmsnorm(float(eps))
     entry = entry_for(_tp(), probe, rmsnorm, quant, layout, return_normed or quant is None)
     if entry.op is None:
         raise InvalidInputError(str(entry.refused))
@@ -191,7 +195,7 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _arithmetic(norm: Any, eps: float, dtype: torch.dtype, device: torch.device) -> Arithmetic:
+def _arithmetic(norm: Any, eps: float, dtype: torch.dtype, device: torch.device) -> Arithmetic | None:
     if norm is None:
         return VLLM_033_GEMMA
     return arithmetic_of(norm, eps, _offset_of(norm), dtype, device, 5)
@@ -247,39 +251,44 @@ def fused_allreduce_rms_norm(
 def _norm_call(
     entry_point: str,
     hidden_states: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     norm: Any,
     weight: torch.Tensor,
     eps: float,
     offset: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Any:
     tp = _tp()
+    if residual is None:
+        # vLLM's helpers return norm(all_reduce(hidden_states), None): the normed tensor alone.
+        _tally[entry_point, "unfused"] += 1
+        reduced = tp.all_reduce(hidden_states)
+        return norm(reduced, None) if accepts_residual(norm) else norm(reduced)
     op_weight, reason = fused_weight(weight, hidden_states)
     reason = reason or uncallable_reason(hidden_states, residual, op_weight) or unfusable_norm_reason(norm)
     if reason is None:
         arith = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
-        entry = entry_for(tp, hidden_states, arith.rmsnorm(eps), None, None, True)
-        op = entry.op
-        backend = entry.backend(hidden_states.shape[0]) if op is not None else None
-        if op is not None and backend is not None:
-            out = op(hidden_states, residual, op_weight)
-            _tally[entry_point, backend] += 1
-            return out.normed, out.residual  # type: ignore[return-value]
-        reason = entry.refused
+        if arith is not None:
+            entry = entry_for(tp, hidden_states, arith.rmsnorm(eps), None, None, True)
+            op = entry.op
+            backend = entry.backend(hidden_states.shape[0]) if op is not None else None
+            if op is not None and backend is not None:
+                out = op(hidden_states, residual, op_weight)
+                _tally[entry_point, backend] += 1
+                return out.normed, out.residual
+            reason = entry.refused
+        # else: arithmetic_of said once why this module runs vLLM's own path
     if reason is not None:
         warn_unfused(entry_point, reason, 4)
     _tally[entry_point, "unfused"] += 1
     reduced = tp.all_reduce(hidden_states)
     if accepts_residual(norm):
-        normed, new_residual = norm(reduced, residual)
-        # A norm that hands back another residual dtype (vLLM <= 0.2x's fp16 GemmaRMSNorm returned
-        # the fp32 sum) would change the stream's dtype, and every later call would run unfused.
-        if isinstance(residual, torch.Tensor) and new_residual.dtype != residual.dtype:
-            new_residual = new_residual.to(residual.dtype)
-        return normed, new_residual
-    arith = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
-    h, y = add_rmsnorm(reduced, residual, weight, eps, offset, arith.round_before_weight,
-                       arith.normalize_unrounded)  # fmt: skip
+        # vLLM's own path, its return as it is: dtypes included (an fp32 x with a bf16 residual
+        # gives an fp32 residual, the reverse a bf16 one).
+        return norm(reduced, residual)
+    one = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
+    assert one is not None  # a one-argument norm always has its family's arithmetic
+    h, y = add_rmsnorm(reduced, residual, weight, eps, offset, one.round_before_weight,
+                       one.normalize_unrounded)  # fmt: skip
     return y, h
 
 
@@ -374,7 +383,11 @@ def _quantized_call(
         _tally[entry_point, "unfused"] += 1
         return None
     weight = op_weight
-    rmsnorm = _arithmetic(norm, eps, hidden_states.dtype, hidden_states.device).rmsnorm(eps)
+    arith = _arithmetic(norm, eps, hidden_states.dtype, hidden_states.device)
+    if arith is None:  # arithmetic_of said once why: the caller runs vLLM's own path
+        _tally[entry_point, "unfused"] += 1
+        return None
+    rmsnorm = arith.rmsnorm(eps)
     tp = _tp()
     entry = entry_for(tp, hidden_states, rmsnorm, quant, layout, normed_output)
     op = entry.op

@@ -154,28 +154,33 @@ def test_inputs_an_op_cannot_take_run_unfused_or_return_none():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_residual_keeps_its_dtype_on_both_paths(dtype):
-    """A vLLM Gemma norm that returns an fp32 residual for fp16 (as vLLM's does) gets it back in the
-    caller's dtype from the unfused path, so the next call still fuses; bf16 is untouched."""
+def test_the_unfused_path_returns_the_norms_own_dtypes(dtype):
+    """A vLLM Gemma norm that returns an fp32 residual for fp16 gets vLLM's own path, and its return as
+    it is (vLLM's helper returns ``norm(reduced, residual)``: casting the residual back to the
+    caller's dtype gave results vLLM does not); bf16 fuses."""
     av.configure(group=arnorm.LOCAL, max_tokens=64)
     g = torch.Generator().manual_seed(9)
-    norm = integ_fakes.VllmGemmaNorm((torch.randn(16, generator=g) * 0.1).to(dtype), 1e-6)
-    norm.fp32_residual_in_fp16 = True
+
+    class Fp32ResidualGemmaNorm(integ_fakes.VllmGemmaNorm):  # probed per class: a class of its own
+        fp32_residual_in_fp16 = True
+
+    norm = Fp32ResidualGemmaNorm((torch.randn(16, generator=g) * 0.1).to(dtype), 1e-6)
     over = integ_fakes.FUSED_LIMIT + 4  # only the reference serves it: the unfused path
     x, residual = (torch.randn(over, 16, generator=g).to(dtype) for _ in range(2))
     if dtype == torch.float16:
         with pytest.warns(
-            arnorm.ArnormWarning, match=r"residual comes back torch.float32, not torch.float16"
+            arnorm.ArnormWarning,
+            match=r"runs vLLM's own path, .*residual comes back torch.float32, not torch.float16",
         ):
             normed, new_residual = av.fused_allreduce_gemma_rms_norm(x.clone(), residual, norm)
     else:
         normed, new_residual = av.fused_allreduce_gemma_rms_norm(x.clone(), residual, norm)
     want_normed, want_residual = norm.forward_native(x, residual)
     assert norm.calls == 2 and torch.equal(normed, want_normed)
-    assert new_residual.dtype == dtype and torch.equal(new_residual, want_residual.to(dtype))
+    assert new_residual.dtype == want_residual.dtype and torch.equal(new_residual, want_residual)
     x2 = torch.randn(4, 16, generator=g).to(dtype)
-    av.fused_allreduce_gemma_rms_norm(x2, new_residual[:4].contiguous(), norm)
-    assert norm.calls == 2  # fused: the module did not run again
+    av.fused_allreduce_gemma_rms_norm(x2, residual[:4].contiguous(), norm)
+    assert norm.calls == (3 if dtype == torch.float16 else 2)  # fp16: vLLM's own path every call
 
 
 class _WeightAndEps(torch.nn.Module):
@@ -264,8 +269,10 @@ def test_fused_path_follows_the_norms_arithmetic(cls, dtype):
     assert op.problem.normalize_unrounded == cls.unrounded
 
 
-def test_a_norm_no_arithmetic_matches_is_said_once():
-    """A norm whose arithmetic arnorm cannot reproduce: one ArnormWarning naming what differs."""
+def test_a_norm_no_arithmetic_matches_runs_vllms_own_path_said_once():
+    """A norm whose arithmetic arnorm cannot reproduce used to run fused with the nearest arithmetic
+    (off by up to 5.2): now vLLM's own path (the module's result), one ArnormWarning naming it and
+    what differs."""
 
     class ScaledGemmaRMSNorm(integ_fakes.VllmGemmaNorm):
         def forward_native(self, x, residual=None):
@@ -277,12 +284,17 @@ def test_a_norm_no_arithmetic_matches_is_said_once():
     x = torch.randn(4, 64).to(torch.bfloat16)
     with pytest.warns(
         arnorm.ArnormWarning,
-        match=r"cannot match ScaledGemmaRMSNorm \(torch.bfloat16\) bit for bit: \d+ of \d+ normed values",
+        match=r"ScaledGemmaRMSNorm \(torch.bfloat16\) runs vLLM's own path, not fused: no arnorm arithmetic "
+        r"is its own, bit for bit: \d+ of \d+ normed values",
     ):
-        av.fused_allreduce_gemma_rms_norm(x.clone(), x.clone(), norm)
+        got = av.fused_allreduce_gemma_rms_norm(x.clone(), x.clone(), norm)
+    want = norm(x.clone(), x.clone())
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        calls = norm.calls
         av.fused_allreduce_gemma_rms_norm(x.clone(), x.clone(), norm)
+        assert norm.calls == calls + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
