@@ -109,15 +109,21 @@ def _find(helper: Helper) -> tuple[Any, str | None]:
     return fn, None
 
 
-def _replace_everywhere(original: Any, routed: Any) -> int:
-    """Replace ``original`` by ``routed`` in every loaded module's namespace; the modules patched."""
+def _replace_everywhere(original: Any, routed: Any, done: list[tuple[dict[str, Any], str, Any]]) -> int:
+    """Replace ``original`` by ``routed`` in every loaded module's namespace, recording each change in
+    ``done`` (so it can be undone); the modules patched. A module that cannot be read (a lazy
+    module raising on attribute access) is skipped: it holds nothing this process can patch."""
     patched = 0
     for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
+        try:
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            names = [k for k, v in list(namespace.items()) if v is original]
+        except Exception:
             continue
-        names = [k for k, v in list(namespace.items()) if v is original]
         for name in names:
+            done.append((namespace, name, original))
             namespace[name] = routed
         patched += bool(names)
     return patched
@@ -125,20 +131,27 @@ def _replace_everywhere(original: Any, routed: Any) -> int:
 
 def route(helpers: tuple[Helper, ...] = HELPERS) -> Routing:
     """Route each of ``helpers`` the installed vLLM has, with the known signature, to arnorm's drop-in
-    of the same name; leave the others alone. Local to this process; safe to run again."""
+    of the same name; leave the others alone. All or nothing: a failure part-way undoes every
+    replacement made, then raises. Local to this process; safe to run again."""
     from arnorm.integrations import vllm as dropins
 
     routed, left = [], []
-    for helper in helpers:
-        original, why = _find(helper)
-        if why is not None:
-            left.append((helper.name, why))
-            continue
-        replacement = getattr(dropins, helper.name)
-        if original is replacement:
-            routed.append((helper.name, 0))
-            continue
-        routed.append((helper.name, _replace_everywhere(original, replacement)))
+    done: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for helper in helpers:
+            original, why = _find(helper)
+            if why is not None:
+                left.append((helper.name, why))
+                continue
+            replacement = getattr(dropins, helper.name)
+            if original is replacement:
+                routed.append((helper.name, 0))
+                continue
+            routed.append((helper.name, _replace_everywhere(original, replacement, done)))
+    except BaseException:
+        for namespace, name, original in reversed(done):
+            namespace[name] = original
+        raise
     return Routing(tuple(routed), tuple(left))
 
 
@@ -164,10 +177,19 @@ def _say(level: int, message: str, *args: Any) -> None:
         sys.stderr.write(f"{logging.getLevelName(level)} {message % args}\n")
 
 
+#: Whether register() ran in this process (vLLM may load plugins more than once: one log line).
+_REGISTERED: list[bool] = []
+
+
 def register() -> None:
     """vLLM's hook (``vllm.general_plugins``): route the helpers in this process, unless ARNORM_VLLM=0.
-    Never raises: a failure leaves vLLM's own helpers and is logged."""
+    Never raises: a failure leaves vLLM's own helpers and is logged. Once per process: a second
+    call does nothing (the helpers stay as the first left them; route() re-routes on request)."""
     import os
+
+    if _REGISTERED:
+        return
+    _REGISTERED.append(True)
 
     try:
         from arnorm._config import Config

@@ -32,6 +32,7 @@ def _fresh_state(monkeypatch):
     monkeypatch.setattr(vllm_groups, "VLLM_STATE", [])
     monkeypatch.setattr(integ_common, "_WARNED", set())
     monkeypatch.setattr(_vllm_norms, "_cache", {})  # probes made here stay here
+    monkeypatch.setattr(_vllm_plugin, "_REGISTERED", [], raising=False)  # a fresh register() per test
     av.configure()
     av.served_calls(reset=True)
     yield
@@ -206,3 +207,57 @@ def test_nothing_is_built_inside_cuda_graph_capture(monkeypatch):
     got = _vllm_ops.entry(_vllm_ops.local_tp(), _CapturedTensor(), arnorm.RMSNorm(1e-6), None, None, True)
     assert got.op is None and got.refused == _vllm_ops.IN_CAPTURE and not got.serves(4)
     assert _vllm_ops.ops == before
+
+
+def vllm_plain_helper(hidden_states, residual, norm):  # vLLM 0.33's signature
+    raise AssertionError("vLLM's own helper ran")
+
+
+class _Unreadable(types.ModuleType):
+    """A lazy module whose attribute access raises (not AttributeError), as some shims do."""
+
+    def __getattribute__(self, name):
+        raise RuntimeError(f"lazy module: cannot load {name}")
+
+
+def test_a_module_that_raises_on_attribute_access_does_not_split_the_routing(monkeypatch, caplog):
+    """Such a sys.modules entry, met between the two helpers, used to leave the Gemma helper routed
+    and the plain one not while the log said both were left to vLLM. Now it is skipped: both routed,
+    and the log says so; a failure part-way undoes every replacement (all or nothing)."""
+    gemma = _module(monkeypatch, GEMMA_MODULE, fused_allreduce_gemma_rms_norm=vllm_gemma_helper)
+    plain = _module(monkeypatch, PLAIN_MODULE, fused_allreduce_rms_norm=vllm_plain_helper)
+    monkeypatch.setitem(sys.modules, "zz_lazy_shim", _Unreadable("zz_lazy_shim"))
+    with caplog.at_level(logging.INFO, logger="vllm.arnorm"):
+        _vllm_plugin.register()
+    assert gemma.fused_allreduce_gemma_rms_norm is av.fused_allreduce_gemma_rms_norm
+    assert plain.fused_allreduce_rms_norm is av.fused_allreduce_rms_norm
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.arnorm"]
+    assert line.startswith(
+        "arnorm: routed vLLM's fused_allreduce_gemma_rms_norm, fused_allreduce_rms_norm to arnorm"
+    ), line
+
+    # All or nothing: the second helper's lookup fails after the first was replaced.
+    gemma.fused_allreduce_gemma_rms_norm = vllm_gemma_helper
+    plain.fused_allreduce_rms_norm = vllm_plain_helper
+    real = _vllm_plugin._find
+
+    def find(helper):
+        if helper.name == "fused_allreduce_rms_norm":
+            raise RuntimeError("boom")
+        return real(helper)
+
+    monkeypatch.setattr(_vllm_plugin, "_find", find)
+    with pytest.raises(RuntimeError, match="boom"):
+        _vllm_plugin.route()
+    assert gemma.fused_allreduce_gemma_rms_norm is vllm_gemma_helper  # undone
+    assert plain.fused_allreduce_rms_norm is vllm_plain_helper
+
+
+def test_register_twice_logs_once(monkeypatch, caplog):
+    """vLLM may load its plugins twice in one process: the routing line used to appear twice."""
+    _install_helpers(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="vllm.arnorm"):
+        _vllm_plugin.register()
+        _vllm_plugin.register()
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.arnorm"]
+    assert len(lines) == 1, lines
