@@ -27,7 +27,7 @@ from arnorm._errors import PeerError, StoreLostError
 __all__ = ["Channel", "open_agreement", "ranks_text"]
 
 #: Per process: the last build number used on each group, keyed by the group's global ranks.
-_BUILDS: dict[tuple[int, ...], int] = {}
+_BUILDS: dict[tuple[Any, ...], int] = {}
 #: How often a waiting rank looks for its peers' abandon notes (seconds).
 _SLICE_S = 0.25
 _WHY = (
@@ -49,13 +49,19 @@ def default_store() -> Any:
 class Channel:
     """The store keys one op's ranks agree through: ``arnorm/<ranks>/b<build>/...``."""
 
-    def __init__(self, store: Any, ranks: tuple[int, ...], rank: int, timeout: float) -> None:
+    def __init__(
+        self, store: Any, ranks: tuple[int, ...], rank: int, timeout: float, namespace: str = "arnorm"
+    ) -> None:
         self.store, self.ranks, self.rank, self.timeout = store, ranks, rank, timeout
         self.world = len(ranks)
-        self.group = "arnorm/" + ",".join(map(str, ranks))
-        self.build = _BUILDS.get(ranks, 0) + 1
-        _BUILDS[ranks] = self.build
+        # Another namespace (fuse()'s agreement) counts its builds apart from the ops'.
+        self._count = ranks if namespace == "arnorm" else (namespace, *ranks)
+        self.group = f"{namespace}/" + ",".join(map(str, ranks))
+        self.build = _BUILDS.get(self._count, 0) + 1
+        _BUILDS[self._count] = self.build
         self.step = 0
+        #: What agrees here, for messages: an op, or fuse() (its own namespace).
+        self.what = "op" if namespace == "arnorm" else namespace.removeprefix("arnorm-") + "()"
         #: What the op is doing, for messages: "building" until construction ends, then "calling".
         self.phase = "building"
         self._own: str | None = None  # this rank's key of the previous gather, deleted after the next
@@ -73,7 +79,7 @@ class Channel:
         return f"{self.group}/b{self.build}"
 
     def describe(self) -> str:
-        return f"op #{self.build} on group {list(self.ranks)}"
+        return f"{self.what} #{self.build} on group {list(self.ranks)}"
 
     def who(self, positions: list[int]) -> str:
         """Ranks named as the group lists them (global ranks), each with its position in the group
@@ -168,7 +174,7 @@ class Channel:
             return False
         later = max(self.where(r) for r in ahead)
         self.abandon(f"peers: {self.who([self.rank])} moved on to op #{later} on group {list(self.ranks)}")
-        self.build = _BUILDS[self.ranks] = later
+        self.build = _BUILDS[self._count] = later
         self.store.set(f"{self.group}/at/{self.rank}", str(later))
         self.store.set(self._key(0, self.rank), payload)
         return True

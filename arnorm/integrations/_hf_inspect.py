@@ -161,6 +161,12 @@ def _check_row_parallel(linear: Any, where: str, plan: ModelPlan, local: bool) -
             plan.reasons.append(f"{where}: not sharded (needs {_LOAD_TP}, or tp_group=arnorm.LOCAL)")
             return False
         return True
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        plan.reasons.append(
+            f"{where}: a forward hook (needs none at TP: fuse() makes its output this rank's partial sum, "
+            "which the hook would see in place of the reduced output; remove it, or hook the norm after it)"
+        )
+        return False
     if local:
         size = weight.device_mesh.size()
         plan.reasons.append(

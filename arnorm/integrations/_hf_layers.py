@@ -18,8 +18,16 @@ add + next norm as a local op::
     h2, y2 = local_op(b, h, next_norm)
 
 The carry hands layer ``i``'s normed output to whoever consumes ``h2`` next, only if that
-consumer receives the very tensor ``h2`` (identity check); anyone else runs their own norm, so a
-layer called out of order is still correct. A call with more tokens than the op's budget (or
+consumer receives the very tensor ``h2`` (identity check) and its norm module is, at the time of
+the call, the one that normed it, unhooked; anyone else runs their own norm, so a layer called out
+of order (decoder layers truncated or reordered after fuse()) is still correct.
+
+Each site checks at each call that its norm module is still the one fuse() saw, in the same place,
+with the same epsilon, and (where the site's normed output is used directly) without forward
+hooks; otherwise that call runs the model's own path through the module now in place (hooks
+included). A few attribute reads per site: the model's numerics whatever was changed after fuse().
+
+A call with more tokens than the op's budget (or
 that no backend serves) takes the unfused path of its site: the TP all-reduce, the add and the
 model's own norm module, the exact operations of the unfused model. Except for a batch-invariant
 op (``Config(batch_invariant=True)``): there a call above the budget runs through the same op in
@@ -38,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from arnorm._errors import InvalidInputError, NoEligibleBackendError
-from arnorm.integrations._common import guard_backward, warn_once
+from arnorm.integrations._common import guard_backward, norm_eps, warn_once
 
 __all__ = ["Carry", "Step", "final_norm_forward", "layer_forward", "row_parallel_forward"]
 
@@ -46,19 +54,34 @@ __all__ = ["Carry", "Step", "final_norm_forward", "layer_forward", "row_parallel
 class Carry:
     """Layer i's normed output for the consumer of its residual (see the module docstring)."""
 
-    __slots__ = ("normed", "residual")
+    __slots__ = ("norm", "normed", "residual")
 
     def __init__(self) -> None:
         self.residual: torch.Tensor | None = None
         self.normed: torch.Tensor | None = None
+        self.norm: Any = None
 
-    def put(self, residual: torch.Tensor, normed: torch.Tensor) -> None:
-        self.residual, self.normed = residual, normed
+    def put(self, residual: torch.Tensor, normed: torch.Tensor | None, norm: Any) -> None:
+        """``normed``: ``residual`` normed by the module ``norm`` (None: nothing to hand over)."""
+        self.residual, self.normed, self.norm = residual, normed, norm
 
-    def take(self, x: torch.Tensor) -> torch.Tensor | None:
-        normed = self.normed if x is self.residual else None
-        self.residual = self.normed = None  # held no longer than one hand-over
+    def take(self, x: torch.Tensor, norm: Any) -> torch.Tensor | None:
+        """The normed output for ``x``, if ``norm`` (the consumer's norm module now) made it."""
+        normed = self.normed if x is self.residual and norm is self.norm and not hooked(norm) else None
+        self.residual = self.normed = self.norm = None  # held no longer than one hand-over
         return normed
+
+
+def hooked(module: Any) -> bool:
+    """Whether calling ``module`` would run forward hooks (its own or global ones)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+    )
 
 
 class Step:
@@ -67,9 +90,13 @@ class Step:
     ``op``: an ``AllReduceNorm`` or None (no fusion: the unfused path always). ``all_reduce``:
     the unfused path's reduction (None when the input is already complete). A site whose norm has
     no residual is called with ``residual=None`` and has an op built with ``add_residual=False``.
+    ``owner``/``attr``: where the norm module lives (checked at each call); ``direct``: the site's
+    normed output is used as it is (else it goes through the carry, whose consumer checks it).
+    After a call, ``used`` is the module that made its normed output (None: no normed output).
     """
 
-    __slots__ = ("all_reduce", "dtype", "hidden", "norm", "norm_forward", "op", "served")
+    __slots__ = ("all_reduce", "attr", "direct", "dtype", "eps", "hidden", "norm", "norm_forward", "op",
+                 "owner", "served", "used")  # fmt: skip
 
     def __init__(
         self,
@@ -77,9 +104,15 @@ class Step:
         norm: Any,
         norm_forward: Callable[[torch.Tensor], torch.Tensor],
         all_reduce: Callable[[torch.Tensor], Any] | None,
+        owner: Any = None,
+        attr: str = "",
+        direct: bool = True,
     ) -> None:
         self.op, self.norm, self.norm_forward = op, norm, norm_forward
         self.all_reduce = all_reduce
+        self.owner, self.attr, self.direct = owner, attr, direct
+        self.eps = norm_eps(norm)
+        self.used: Any = None
         self.served: dict[int, bool] = {}
         self.dtype = None if op is None else getattr(torch, op.problem.dtype)
         self.hidden = None if op is None else op.problem.hidden_size
@@ -114,6 +147,10 @@ class Step:
         self, partial: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(new residual, normed)``; without a residual the first is the reduced sum."""
+        norm: Any = self.norm if self.owner is None else getattr(self.owner, self.attr, None)
+        if norm is not self.norm or norm_eps(norm) != self.eps or (self.direct and hooked(norm)):
+            return self._own_path(partial, residual, norm)
+        self.used = norm
         shape = partial.shape
         h = shape[-1]
         t = partial.numel() // h if h else 0
@@ -136,6 +173,20 @@ class Step:
         reduced = partial if self.all_reduce is None else self.all_reduce(partial)
         new_residual = reduced if residual is None else residual + reduced
         return new_residual, self.norm_forward(new_residual)
+
+    def _own_path(
+        self, partial: torch.Tensor, residual: torch.Tensor | None, norm: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """The model's own path through the module in place now (changed since fuse(), or hooked):
+        the all-reduce, the add, and the module called as the model calls it (hooks included). A
+        site whose normed output goes through the carry hands none over: its consumer norms."""
+        reduced = partial if self.all_reduce is None else self.all_reduce(partial)
+        new_residual = reduced if residual is None else residual + reduced
+        if not self.direct:
+            self.used = None
+            return new_residual, None
+        self.used = norm
+        return new_residual, norm(new_residual)
 
     def _chunked(
         self, x: torch.Tensor, res: torch.Tensor | None, shape: torch.Size
@@ -206,8 +257,7 @@ def _kwargs(sig: inspect.Signature, layer: Any, x: Any, args: tuple[Any, ...], k
 def layer_forward(layer: Any, kind: str, carry: Carry, steps: dict[str, Step]) -> Callable[..., torch.Tensor]:
     """The fused forward of one decoder layer (``kind``: ``pre_norm`` or ``sandwich``)."""
     sig = inspect.signature(type(layer).forward)
-    input_norm = layer.input_layernorm
-    anchors = (input_norm.weight,)
+    anchors = (layer.input_layernorm.weight,)
     sandwich = kind == "sandwich"
     attn_step, mlp_step = steps["attention"], steps["mlp"]
     pre_ff, mlp_residual = steps.get("pre_feedforward"), steps.get("mlp_residual")
@@ -216,7 +266,8 @@ def layer_forward(layer: Any, kind: str, carry: Carry, steps: dict[str, Step]) -
         if args:
             kwargs = _kwargs(sig, layer, hidden_states, args, kwargs)
         with torch.no_grad():
-            normed = carry.take(hidden_states)
+            input_norm = layer.input_layernorm  # the module in place now
+            normed = carry.take(hidden_states, input_norm)
             if normed is None:
                 normed = input_norm(hidden_states)
             attn = layer.self_attn(hidden_states=normed, **kwargs)[0]
@@ -229,7 +280,8 @@ def layer_forward(layer: Any, kind: str, carry: Carry, steps: dict[str, Step]) -
                 h, y = attn_step(attn, hidden_states)
                 h2, y2 = mlp_step(layer.mlp(y), h)
         out = guard_backward(h2, (hidden_states, *anchors))
-        carry.put(out, y2)
+        last = mlp_residual if sandwich else mlp_step
+        carry.put(out, y2, last.used)  # type: ignore[union-attr]
         return out
 
     return forward
@@ -240,7 +292,7 @@ def final_norm_forward(norm: Any, original: Callable[[torch.Tensor], torch.Tenso
     anchors = (norm.weight,)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        y = carry.take(x)
+        y = carry.take(x, norm)
         if y is None:
             return original(x)
         return guard_backward(y, (x, *anchors))

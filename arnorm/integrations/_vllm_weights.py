@@ -8,14 +8,13 @@ value: then ``fp32(narrow(w)) == w`` and the result is bit for bit the one the f
 Otherwise the call runs vLLM's own unfused path, and says why once.
 
 vLLM's weight loader writes a norm's weight through ``param.data.copy_``, which moves no version
-counter, so a narrowed copy kept from an earlier call could go stale without a sign. So the copy
-is never trusted as it stands: on CPU it is made and checked afresh at every call (two passes over
-``H`` values, no device sync to pay); on a GPU the kept buffer is refreshed from the weight at every
-call (one ``H``-element cast kernel, no host sync, captured into CUDA graphs as a read of the
-weight's storage), and whether narrowing is exact is checked again whenever the weight's version,
-storage or shape changes. The one case a GPU call cannot see: values the activations' dtype does
-not hold, written without a version bump, into a weight that held exact values before; those are
-read rounded to the activations' dtype.
+counter, so a narrowed copy kept from an earlier call could go stale without a sign. So the kept
+buffer is refreshed from the weight at every call: one ``H``-element cast, no host sync (checking the
+values at every call would cost a device sync per layer and could not be captured into a CUDA
+graph; a refresh is captured as a read of the weight's storage, so replays follow reloads too).
+Whether narrowing is exact is checked again whenever the weight's version, storage or shape
+changes. The one case a call cannot see: values the activations' dtype does not hold, written
+without a version bump into a weight whose values it held before; those are read rounded.
 """
 
 from __future__ import annotations
@@ -57,9 +56,6 @@ def fused_weight(weight: Any, hidden_states: Any) -> tuple[Any, str | None]:
     dtype = hidden_states.dtype
     if weight.dtype == dtype or weight.dtype != torch.float32 or dtype not in _NARROW:
         return weight, None
-    if weight.device.type == "cpu":
-        narrow, why = _narrowed(weight, dtype)
-        return (weight, why) if narrow is None else (narrow, None)
     key = (id(weight), dtype)
     hit = _cache.get(key)
     if (

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from arnorm._config import Config
+from arnorm._config import DEFAULT_PEER_TIMEOUT, Config
 from arnorm._errors import InvalidInputError, SelectionError
 from arnorm._types import LOCAL, RMSNorm
 from arnorm.comm._comm import Comm
@@ -133,7 +133,42 @@ class FusedModel:
 
     def _patch(self, module: Any, forward: Any) -> None:
         self._patched.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-        module.forward = forward
+        module.forward = _Installed(forward)
+
+
+#: Why a fused model cannot be copied or saved as it is.
+_NOT_COPYABLE = (
+    "(needs handle.close() first, then fuse() again: a fused model's layers run through forwards "
+    "that hold the original model's modules and arnorm's ops, so a copy would run the original's "
+    "layers, and a saved one could not be loaded)"
+)
+
+
+class _Installed:
+    """A forward fuse() installs: calls through; refuses ``copy.deepcopy`` and pickling
+    (``torch.save(model)``) with an error naming them, instead of a copy that silently runs the
+    original model's layers, or a pickle ``AttributeError``."""
+
+    __slots__ = ("__signature__", "__wrapped__", "fn")
+
+    def __init__(self, fn: Any) -> None:
+        import inspect
+
+        self.fn = self.__wrapped__ = fn
+        self.__signature__ = inspect.signature(fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise InvalidInputError(
+            f"copy.deepcopy: a model fused by arnorm.integrations.transformers.fuse() {_NOT_COPYABLE}"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise InvalidInputError(
+            f"torch.save / pickle: a model fused by arnorm.integrations.transformers.fuse() {_NOT_COPYABLE}"
+        )
 
 
 def _refuse(reasons: Sequence[str]) -> InvalidInputError:
@@ -145,15 +180,42 @@ def _refuse(reasons: Sequence[str]) -> InvalidInputError:
     return exc
 
 
-def _agreed(comm: Comm | None, reasons: list[str]) -> list[str]:
-    """Every rank's reasons, so all ranks refuse together (one refusing alone would hang the others)."""
+def _agreed(comm: Comm | None, reasons: list[str], config: Config | None) -> list[str]:
+    """Every rank's reasons, so all ranks refuse together (one refusing alone would hang the others).
+
+    Through the store, each wait bounded by ``peer_timeout``: a rank calling fuse() alone gets
+    :class:`arnorm.PeerError` then, not the process group's timeout, and a peer that calls it
+    later learns that this rank gave up (and when). Ranks are named as the user knows them."""
     if comm is None:
         return reasons
-    seen = comm.gather_objects(reasons)
+    from arnorm.comm._rendezvous import Channel, default_store, ranks_text
+
+    store = default_store()
+    if store is None:
+        seen = comm.gather_objects(reasons)
+        ranks = None
+    else:
+        from arnorm._errors import PeerError
+
+        try:
+            timeout = (config if isinstance(config, Config) else Config()).peer_timeout
+        except Exception:  # a malformed ARNORM_* value: the ops' agreement reports it on every rank
+            timeout = DEFAULT_PEER_TIMEOUT
+        ranks = comm.ranks
+        channel = Channel(store, ranks, comm.rank, timeout, namespace="arnorm-fuse")
+        channel.phase = "calling"
+        try:
+            seen = channel.gather(reasons)
+        except PeerError as exc:
+            channel.abandon(f"peers: {channel.who([comm.rank])} gave up on fuse() ({exc})")
+            raise PeerError(
+                f"fuse: {exc} (needs every rank of tp_group to call fuse() with the same model and "
+                "arguments; the model was left unchanged)"
+            ) from None
     merged: list[str] = []
     for rank, mine in enumerate(seen):
         for r in mine:
-            text = r if all(r in other for other in seen) else f"rank {rank}: {r}"
+            text = r if all(r in other for other in seen) else f"{ranks_text([rank], ranks)}: {r}"
             if text not in merged:
                 merged.append(text)
     return merged
@@ -219,7 +281,7 @@ def fuse(
             reasons.append(f"tp_group: ranks {list(ranks)} ({needs})")
         if comm.group is None:
             comm = None
-    reasons = _agreed(comm, reasons)
+    reasons = _agreed(comm, reasons, config)
     if reasons:
         raise _refuse(reasons)
     handle = FusedModel(model, plan, max_tokens)
@@ -282,11 +344,12 @@ def _build(
     final_original = final_module.forward
     layers = plan.layers
 
-    def following(i: int) -> tuple[Any, RMSNorm, Any]:
+    def following(i: int) -> tuple[Any, RMSNorm, Any, Any, str]:
+        """The norm after layer ``i``'s MLP: its module, arnorm norm, forward, and where it lives."""
         if i + 1 < len(layers):
             module, norm = layers[i + 1].norms["input_layernorm"]
-            return module, norm, module.forward
-        return final_module, final_norm, final_original
+            return module, norm, module.forward, layers[i + 1].module, "input_layernorm"
+        return final_module, final_norm, final_original, plan.stack, "norm"
 
     carry = Carry()
     for lp in layers:
@@ -309,24 +372,30 @@ def _site_names(lp: LayerPlan) -> dict[str, str]:
 
 
 def _layer_steps(
-    lp: LayerPlan, nxt: tuple[Any, RMSNorm, Any], op: Any, ar: Any, local: bool
+    lp: LayerPlan, nxt: tuple[Any, RMSNorm, Any, Any, str], op: Any, ar: Any, local: bool
 ) -> dict[str, Step]:
-    next_module, next_norm, next_forward = nxt
+    next_module, next_norm, next_forward, next_owner, next_attr = nxt
+    layer = lp.module
     if lp.kind == "pre_norm":
         post, post_norm = lp.norms["post_attention_layernorm"]
         return {
-            "attention": Step(op(True, post_norm), post, post.forward, ar),
-            "mlp": Step(op(True, next_norm), next_module, next_forward, ar),
+            "attention": Step(op(True, post_norm), post, post.forward, ar, layer, "post_attention_layernorm"),
+            "mlp": Step(
+                op(True, next_norm), next_module, next_forward, ar, next_owner, next_attr, direct=False
+            ),
         }
     steps = {}
     for role, attr in (("attention", "post_attention_layernorm"), ("mlp", "post_feedforward_layernorm")):
         module, norm = lp.norms[attr]
         if local:  # no all-reduce and no residual: the model's own norm is all there is to run
-            steps[role] = Step(None, module, module.forward, None)
+            steps[role] = Step(None, module, module.forward, None, layer, attr)
         else:
             # A norm right after the all-reduce, with no residual: the op reads none.
-            steps[role] = Step(op(True, norm, add_residual=False), module, module.forward, ar)
+            steps[role] = Step(op(True, norm, add_residual=False), module, module.forward, ar, layer, attr)
     pre, pre_norm = lp.norms["pre_feedforward_layernorm"]
-    steps["pre_feedforward"] = Step(op(False, pre_norm), pre, pre.forward, None)
-    steps["mlp_residual"] = Step(op(False, next_norm), next_module, next_forward, None)
+    steps["pre_feedforward"] = Step(
+        op(False, pre_norm), pre, pre.forward, None, layer, "pre_feedforward_layernorm"
+    )
+    steps["mlp_residual"] = Step(op(False, next_norm), next_module, next_forward, None, next_owner, next_attr,
+                                 direct=False)  # fmt: skip
     return steps
