@@ -188,3 +188,43 @@ def batch_invariance(rank: int, world: int, folder: str, backend: str | None) ->
     if report["unfused_invariant"]:
         assert report["fused_invariant"], "logits: the model is invariant here, the fused model is not"
     return report
+
+
+def fuse_attacks(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """At TP ``world``: a forward hook on down_proj registered before fuse(); fuse() called on rank 0
+    only (rank 1 calls it after rank 0 gave up); then fuse() on every rank, as it should be."""
+    import time
+
+    config = arnorm.Config(peer_timeout=3)
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, Any] = {}
+    model = hm.load(folder, torch.float32, tp=world)
+    seen: list[torch.Tensor] = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o))
+    out["down_proj_hook"] = _refusal(lambda: fuse(model, dist.group.WORLD, max_tokens=8, config=config))
+    hook.remove()
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank == 0:
+        out["alone"] = _attempt(lambda: fuse(model, dist.group.WORLD, max_tokens=8, config=config))
+        store.set("fuse/gave_up", "1")
+    else:
+        store.wait(["fuse/gave_up"])
+        t0 = time.monotonic()
+        out["late"] = _attempt(lambda: fuse(model, dist.group.WORLD, max_tokens=8, config=config))
+    out["seconds"] = time.monotonic() - t0
+    dist.barrier()
+    with torch.no_grad():
+        want = model(_ids(1, 4)).logits
+        with fuse(model, dist.group.WORLD, max_tokens=8, config=config, backend="reference"):
+            got = model(_ids(1, 4)).logits
+    out["then_fused_close"] = bool((got - want).abs().max() < FP32_TOL)
+    return out
+
+
+def _attempt(fn: Any) -> tuple[str, ...]:
+    try:
+        fn().close()
+        return ("ok",)
+    except Exception as exc:
+        return ("error", type(exc).__name__, str(exc))

@@ -233,3 +233,120 @@ def test_batch_invariant_fuse_at_tp2(saved, family, backend):
         "19 tokens: above max_tokens=8, every site runs its op in chunks of 8 (batch invariant)"
     )
     assert report["fused_invariant"] or not report["unfused_invariant"], report
+
+
+# -- after fuse(): the model changed under the handle ----------------------------------------------
+
+IDS = torch.tensor([[5, 17, 3, 42, 8, 11]])
+
+
+def _stack(model):
+    return model.model
+
+
+def _after_fuse(family, change, dtype=torch.bfloat16):
+    """``(logits of the unfused model changed by change(), logits of the fused model changed alike)``."""
+    unfused, fused = hm.make(family, dtype=dtype), hm.make(family, dtype=dtype)
+    with torch.no_grad():
+        change(unfused)
+        want = unfused(IDS).logits
+        with fuse(fused, arnorm.LOCAL, max_tokens=16):
+            change(fused)
+            got = fused(IDS).logits
+    return got, want
+
+
+def _truncate(model):
+    _stack(model).layers = torch.nn.ModuleList(list(_stack(model).layers)[:1])
+    model.config.num_hidden_layers = 1
+
+
+def _reorder(model):
+    _stack(model).layers = torch.nn.ModuleList(list(_stack(model).layers)[::-1])
+
+
+def _hook_norm(model):
+    # A forward hook on a norm module (monitoring, steering): its output changed.
+    _stack(model).layers[0].post_attention_layernorm.register_forward_hook(lambda m, i, o: o * 2)
+    _stack(model).layers[1].input_layernorm.register_forward_hook(lambda m, i, o: o + 1)
+
+
+def _replace_norm(model):
+    layer = _stack(model).layers[0]
+    new = type(layer.post_attention_layernorm)(64, eps=1e-6).to(layer.post_attention_layernorm.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(layer.post_attention_layernorm.weight * 0.5)
+    layer.post_attention_layernorm = new
+    _stack(model).layers[1].input_layernorm = type(new)(64, eps=1e-6).to(new.weight.dtype)
+
+
+def _change_eps(model):
+    for layer in _stack(model).layers:
+        for attr in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, attr)
+            if hasattr(norm, "variance_epsilon"):
+                norm.variance_epsilon = 0.5
+            else:
+                norm.eps = 0.5
+    norm = _stack(model).norm
+    setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", 0.5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize(
+    "change", [_truncate, _reorder, _hook_norm, _replace_norm, _change_eps],
+    ids=["truncate", "reorder", "norm-hook", "replace-norm", "eps"],
+)  # fmt: skip
+def test_a_model_changed_after_fuse_keeps_its_own_numerics(family, change):
+    """After fuse(): truncating or reordering the decoder layers changed the logits (0.81 / 0.97), a
+    forward hook on a norm module was skipped, a replaced norm module or a changed epsilon ignored
+    (2.9 / 2.5). Now each site checks its norm module at each call: bitwise the changed model."""
+    got, want = _after_fuse(family, change)
+    assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
+
+
+def test_a_fused_model_refuses_deepcopy_and_torch_save(tmp_path):
+    """deepcopy of a fused model ran the original model's layers; torch.save failed with a pickle
+    AttributeError. Both are refused with an arnorm error naming them; after close() both work."""
+    import copy
+
+    model = hm.make("llama")
+    handle = fuse(model, arnorm.LOCAL, max_tokens=16)
+    with pytest.raises(arnorm.InvalidInputError, match=r"^copy\.deepcopy: a model fused by arnorm"):
+        copy.deepcopy(model)
+    with pytest.raises(arnorm.InvalidInputError, match=r"^torch\.save / pickle: a model fused by arnorm"):
+        torch.save(model, tmp_path / "m.pt")
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, model(IDS).logits)  # still usable
+    handle.close()
+    twin = copy.deepcopy(model)
+    torch.save(model, tmp_path / "m.pt")
+    with torch.no_grad():
+        assert torch.equal(twin(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.slow
+def test_fuse_at_tp2_refuses_a_down_proj_hook_and_a_lone_rank(saved):
+    """TP 2: a hook on down_proj registered before fuse() used to see per-rank partial sums, fuse()
+    not refusing; fuse() on one rank only blocked until the process group's timeout and failed with
+    gloo's errors. Now the hook is refused on every rank, naming it; the lone rank gets PeerError
+    after peer_timeout (3 s here), and the rank that calls fuse() after it gave up learns that at
+    once; fuse() on every rank afterwards works."""
+    import integ_hf_ranks
+
+    results = run_ranks(2, integ_hf_ranks.fuse_attacks, saved["llama"], env=RANK_ENV, timeout=240)
+    for r in results:
+        assert any(
+            x.startswith("model.layers.0.mlp.down_proj: a forward hook (needs none at TP: ")
+            for x in r["down_proj_hook"]
+        ), r["down_proj_hook"]
+        assert r["then_fused_close"], r
+    alone, late = results[0]["alone"], results[1]["late"]
+    assert alone[:2] == ("error", "PeerError"), alone
+    assert alone[2].startswith(
+        "fuse: peers: rank 1 did not reach calling fuse() #2 on group [0, 1] within 3 s"
+    ), alone
+    assert results[0]["seconds"] < 10, results[0]
+    assert late[:2] == ("error", "PeerError"), late
+    assert late[2].startswith("fuse: peers: rank 0 gave up on calling fuse() #2 on group [0, 1] at "), late
+    assert results[1]["seconds"] < 2, results[1]
