@@ -11,7 +11,7 @@ import torch
 from arnorm._errors import InvalidInputError
 from arnorm._types import LOCAL
 
-__all__ = ["VLLM_STATE", "Tp", "explicit_tp", "vllm_coordinator", "vllm_tp"]
+__all__ = ["VLLM_STATE", "Tp", "agree_routing", "explicit_tp", "vllm_coordinator", "vllm_tp"]
 
 #: ``[vllm.distributed.parallel_state]``, or ``[None]`` once vllm was found not importable.
 VLLM_STATE: list[Any] = []
@@ -82,3 +82,41 @@ def vllm_tp(coordinator: Any) -> Tp:
     if size == 1:
         return Tp(LOCAL, None, 1, _identity, coordinator)
     return Tp(coordinator.device_group, coordinator.cpu_group, size, coordinator.all_reduce, coordinator)
+
+
+def agree_routing(coordinator: Any, routed: bool) -> None:
+    """Check, at the first call on vLLM's TP group, that every TP rank made the same choice: vLLM's
+    fused helpers routed to arnorm (``routed``), or left to vLLM (``ARNORM_VLLM=0``). Ranks that
+    differ would pair arnorm's agreement with vLLM's all-reduce and hang; here every rank raises the
+    same :class:`arnorm.InvalidInputError` instead. Through the store, bounded by ``peer_timeout``
+    (:class:`arnorm.PeerError` for a rank that never makes the call); nothing at TP 1."""
+    if int(coordinator.world_size) == 1:
+        return
+    import torch.distributed as dist
+
+    from arnorm.comm._rendezvous import Channel, default_store, ranks_text
+
+    store = default_store()
+    if store is None:
+        return
+    from arnorm._config import DEFAULT_PEER_TIMEOUT, Config
+
+    try:
+        timeout = Config().peer_timeout
+    except Exception:  # a malformed ARNORM_* value: said by the op's own agreement
+        timeout = DEFAULT_PEER_TIMEOUT
+    group = coordinator.cpu_group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    channel = Channel(store, ranks, dist.get_rank(group), timeout, namespace="arnorm-vllm")
+    channel.what, channel.phase = "the routing check of vLLM's helpers", "making"
+    seen = channel.gather(bool(routed))
+    if len(set(seen)) > 1:
+        detail = "; ".join(
+            f"{ranks_text([r], ranks)}: {'routed to arnorm' if s else 'left to vLLM (ARNORM_VLLM=0)'}"
+            for r, s in enumerate(seen)
+        )
+        raise InvalidInputError(
+            f"ARNORM_VLLM: differs across the TP ranks ({detail}) (needs the same value on every rank: "
+            "ranks running arnorm's fused helpers and ranks running vLLM's would wait on different "
+            "collectives)"
+        )

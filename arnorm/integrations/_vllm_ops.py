@@ -16,7 +16,7 @@ import torch
 
 from arnorm._errors import InvalidInputError, NoEligibleBackendError
 from arnorm._types import LOCAL, RMSNorm
-from arnorm.integrations._vllm_groups import Tp, explicit_tp, vllm_coordinator, vllm_tp
+from arnorm.integrations._vllm_groups import Tp, agree_routing, explicit_tp, vllm_coordinator, vllm_tp
 from arnorm.op._op import AllReduceNorm
 
 __all__ = [
@@ -107,6 +107,9 @@ def tp() -> Tp:
         return cached
     with lock:
         close()  # ops of an earlier vLLM group
+        settings.from_vllm = None
+        # Every TP rank routes vLLM's helpers here, or none does (ARNORM_VLLM=0 on some ranks only).
+        agree_routing(coordinator, routed=True)
         settings.from_vllm = vllm_tp(coordinator)
     return settings.from_vllm
 

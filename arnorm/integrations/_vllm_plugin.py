@@ -12,7 +12,10 @@ names. :func:`register` routes vLLM's fused all-reduce + norm helpers to arnorm'
 - one log line per process (logger ``vllm.arnorm``, so vLLM's own log shows it; stderr in a process
   that has configured no logging yet, as vLLM's front end when it loads plugins) says which
   helpers were routed, which were left alone and why, and which arnorm backends serve;
-- ``ARNORM_VLLM=0`` (``Config.vllm``) leaves vLLM untouched, and the line says so.
+- ``ARNORM_VLLM=0`` (``Config.vllm``) leaves vLLM's helpers to vLLM, and the line says so. Each
+  helper's first call (one per process) checks over the store that every TP rank made the same
+  choice, then puts vLLM's own function back everywhere: ``ARNORM_VLLM=0`` on some ranks only is an
+  error on every rank, not a hang.
 
 Importing this module imports neither torch nor vLLM nor a backend. ``register`` imports vLLM's
 helper modules (the modules vLLM's models import anyway) and arnorm's drop-ins; the ops are built by
@@ -155,6 +158,39 @@ def route(helpers: tuple[Helper, ...] = HELPERS) -> Routing:
     return Routing(tuple(routed), tuple(left))
 
 
+def _checked_once(original: Any) -> Any:
+    """``original`` (vLLM's helper) behind a one-time check that no TP rank routed it to arnorm;
+    after its first call vLLM's own function is back everywhere (no cost on later calls)."""
+    import functools
+
+    @functools.wraps(original)
+    def first_call(*args: Any, **kwargs: Any) -> Any:
+        from arnorm._errors import InvalidInputError
+        from arnorm.integrations._vllm_groups import agree_routing, vllm_coordinator
+
+        try:
+            coordinator = vllm_coordinator()
+        except InvalidInputError:  # no TP group to disagree with
+            coordinator = None
+        if coordinator is not None:
+            agree_routing(coordinator, routed=False)  # raises on every rank alike, checked again next call
+        _replace_everywhere(first_call, original, [])
+        return original(*args, **kwargs)
+
+    return first_call
+
+
+def _leave_to_vllm() -> None:
+    """ARNORM_VLLM=0: vLLM's helpers stay vLLM's, each behind :func:`_checked_once` until its first call."""
+    for helper in HELPERS:
+        try:
+            original, why = _find(helper)
+            if why is None and original is not None and not original.__module__.startswith("arnorm."):
+                _replace_everywhere(original, _checked_once(original), [])
+        except Exception:  # vLLM's own path whatever happens: the check is a courtesy
+            continue
+
+
 def _backends() -> str:
     """Which arnorm backends serve, as far as is known before an op is built (no probe, no import)."""
     from arnorm._config import Config
@@ -199,6 +235,7 @@ def register() -> None:
         _say(logging.WARNING, "arnorm: vLLM helpers left to vLLM (pid %d): settings: %s", os.getpid(), exc)
         return
     if not enabled:
+        _leave_to_vllm()
         _say(logging.INFO, "arnorm: vLLM helpers left to vLLM (pid %d): ARNORM_VLLM=0", os.getpid())
         return
     try:

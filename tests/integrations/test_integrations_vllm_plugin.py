@@ -110,14 +110,24 @@ def test_a_module_imported_after_the_plugin_takes_arnorms_from_vllms_module(monk
     assert _vllm_plugin.route().routed[0] == ("fused_allreduce_gemma_rms_norm", 0)  # again: nothing to do
 
 
-def test_arnorm_vllm_0_leaves_vllm_untouched(monkeypatch, caplog, clean_env):
-    gemma, _, model = _install_helpers(monkeypatch)
+def test_arnorm_vllm_0_leaves_vllms_helpers_to_vllm(monkeypatch, caplog, clean_env):
+    """vLLM's helper stays vLLM's: behind a one-time check that every TP rank chose alike (here no
+    TP group: nothing to check), after whose first call vLLM's own function is back everywhere."""
+
+    def own(hidden_states, residual, norm):  # vLLM's helper (a fresh one: routing replaces names everywhere)
+        raise AssertionError("vLLM's own helper ran")
+
+    gemma = _module(monkeypatch, GEMMA_MODULE, fused_allreduce_gemma_rms_norm=own)
+    model = _module(monkeypatch, "vllm.models.minimax_m3.nvidia.model", fused_allreduce_gemma_rms_norm=own)
     clean_env.setenv("ARNORM_VLLM", "0")
     assert arnorm.Config().vllm is False
     with caplog.at_level(logging.INFO, logger="vllm.arnorm"):
         _vllm_plugin.register()
-    assert gemma.fused_allreduce_gemma_rms_norm is vllm_gemma_helper
-    assert model.fused_allreduce_gemma_rms_norm is vllm_gemma_helper
+    assert gemma.fused_allreduce_gemma_rms_norm.__wrapped__ is own
+    with pytest.raises(AssertionError, match="vLLM's own helper ran"):
+        model.fused_allreduce_gemma_rms_norm(None, None, None)
+    assert gemma.fused_allreduce_gemma_rms_norm is own
+    assert model.fused_allreduce_gemma_rms_norm is own
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm.arnorm"]
     assert len(lines) == 1 and lines[0].startswith("arnorm: vLLM helpers left to vLLM"), lines
     assert "ARNORM_VLLM=0" in lines[0]

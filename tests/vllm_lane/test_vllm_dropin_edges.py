@@ -79,3 +79,22 @@ def test_mixed_dtypes_return_vllms_dtypes(report):
     fp32 (and the reverse fp32 where vLLM returns bf16)."""
     for case, r in report["returns"]["mixed"].items():
         assert r["dtypes"] == r["vllm_dtypes"] and r["bitwise_vllm"], (case, r)
+
+
+def test_arnorm_vllm_0_on_one_tp_rank_is_an_error_on_every_rank():
+    """Item 7e: ARNORM_VLLM=0 on rank 0 only used to block both ranks with no error (rank 0 in
+    vLLM's all-reduce, rank 1 in arnorm's agreement). Now every rank raises the same error, at once."""
+    import vllm_lane_edges
+
+    base = {"VLLM_TARGET_DEVICE": "cpu", "ARNORM_PEER_TIMEOUT": "30"}
+    env = [{**base, "ARNORM_VLLM": "0"}, base]
+    results = run_ranks(2, vllm_lane_edges.one_rank_disabled, env=env, timeout=600)
+    print(f"\n=== vLLM lane, ARNORM_VLLM=0 on rank 0 only ===\n{results}")
+    (first, _), (second, _) = results
+    assert first == second, results
+    assert first[:2] == ("error", "InvalidInputError"), first
+    assert first[2].startswith(
+        "ARNORM_VLLM: differs across the TP ranks (rank 0: left to vLLM (ARNORM_VLLM=0); "
+        "rank 1: routed to arnorm) (needs the same value on every rank"
+    ), first
+    assert all(took < 20 for _, took in results), results

@@ -222,3 +222,31 @@ def edges(rank: int, world: int) -> dict[str, Any]:
                 report[name] = {"error": f"{type(exc).__name__}: {exc}"}
         av.configure()
     return report
+
+
+def one_rank_disabled(rank: int, world: int) -> Any:
+    """Item 7e: ARNORM_VLLM=0 on rank 0 only (the env run_ranks gives each rank): arnorm's plugin
+    registers, then each rank calls the Gemma helper by its module's name, as a model file does.
+    What each got, and how long it took."""
+    import importlib
+    import time
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from arnorm.integrations import _vllm_plugin
+    from arnorm.integrations import vllm as av
+
+    module = importlib.import_module("vllm.model_executor.layers.fused_allreduce_gemma_rms_norm")
+    _vllm_plugin.register()
+    with vllm_parallel_state(rank, world):
+        av.configure(max_tokens=32, backend=["triton", "reference"])
+        norm = _gemma()
+        x, residual = _rows(4, torch.bfloat16, 21)
+        t0 = time.monotonic()
+        try:
+            module.fused_allreduce_gemma_rms_norm(x, residual, norm)
+            got: tuple[str, ...] = ("ok",)
+        except Exception as exc:
+            got = ("error", type(exc).__name__, str(exc))
+        took = time.monotonic() - t0
+        av.configure()
+    return got, took
