@@ -27,9 +27,9 @@ with the same epsilon, and (where the site's normed output is used directly) wit
 hooks; otherwise that call runs the model's own path through the module now in place (hooks
 included). A few attribute reads per site: the model's numerics whatever was changed after fuse().
 
-A call with more tokens than the op's budget (or
-that no backend serves) takes the unfused path of its site: the TP all-reduce, the add and the
-model's own norm module, the exact operations of the unfused model. Except for a batch-invariant
+A call with more tokens than the op's budget (or that no backend serves) takes the unfused path
+of its site: the TP all-reduce, the add and the model's own norm module, the exact operations of
+the unfused model. Except for a batch-invariant
 op (``Config(batch_invariant=True)``): there a call above the budget runs through the same op in
 chunks of at most ``max_tokens`` rows, so every row gets the fused path's bits whatever the size of
 the forward it came in (its op serves every count up to the budget, and a row's outputs do not
