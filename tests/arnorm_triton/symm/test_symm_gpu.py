@@ -27,6 +27,8 @@ MAX_TOKENS = 600
 #: 4 MiB (per 2-byte dtype): about 510 tokens of both regions at H = 2048, so T = 600 falls through.
 BUDGET = 4 << 20
 OVERLAP = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
+
+
 @pytest.fixture(autouse=True)
 def _symm_env(monkeypatch):
     """Spawned ranks inherit these: ranks may share the GPU, and the conformance suite covers both
