@@ -273,3 +273,14 @@ def test_benchmark_results_hold_figures_not_transcripts():
     index = (REPO / results / "README.md").read_text()
     unindexed = [p.name for p in files if p.name != "README.md" and p.stem.split("-20")[0] not in index]
     assert unindexed == []
+
+
+def test_the_version_agrees_with_pyproject_and_the_changelog():
+    """``arnorm.__version__``, pyproject.toml's version and CHANGELOG.md's newest entry are one."""
+    import arnorm
+
+    # tomllib is Python 3.11's; the project's own line is plain enough to read without it.
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    newest = re.search(r"^## (\S+)", (REPO / "CHANGELOG.md").read_text(), re.M)
+    assert newest is not None, "CHANGELOG.md has no release entry"
+    assert arnorm.__version__ == version == newest.group(1)
