@@ -10,6 +10,10 @@ from arnorm_example._plugin import ExampleSettings
 
 
 class ExampleBackend:
+    """The ``arnorm.FusedAllReduceNorm`` protocol, checked when arnorm loads the class; one
+    instance per op and rank, built by ``create``."""
+
+    # The registered name (the descriptor's): arnorm refuses a class that claims another.
     name = "example"
 
     def __init__(self, problem: Problem, comm: Comm, settings: ExampleSettings) -> None:
