@@ -121,14 +121,15 @@ def catalogue_rows(section: str) -> dict[str, list[str]]:
     return rows
 
 
-def _compare(kind: str, in_code: set[str], in_docs: set[str], where: dict[str, list[str]] | None = None) -> None:
+def _compare(kind: str, in_code: set[str], in_docs: set[str], where: dict[str, list[str]] | None = None):
     missing = sorted(in_code - in_docs)
     stale = sorted(in_docs - in_code)
     lines = []
     for name in missing:
         at = f" (from {', '.join(where[name][:3])})" if where else ""
         lines.append(f"  no entry for {kind} `{name}`{at}: add a row to docs/catalogue.md")
-    lines.extend(f"  entry for {kind} `{name}`, which the code no longer has: remove its row" for name in stale)
+    gone = "which the code no longer has: remove its row"
+    lines.extend(f"  entry for {kind} `{name}`, {gone}" for name in stale)
     assert not lines, "docs/catalogue.md is out of date:\n" + "\n".join(lines)
 
 
@@ -150,8 +151,11 @@ def test_every_quant_format_has_an_entry_with_its_facts():
     _compare("quant format", set(FORMAT_SPECS), set(rows))
     for name, spec in FORMAT_SPECS.items():
         cells = rows[name]
-        assert cells[1] == str(spec.hidden_multiple), f"{name}: hidden size multiple {cells[1]} in the docs"
-        assert cells[2] == ("yes" if spec.takes_scale else "no"), f"{name}: input scale {cells[2]} in the docs"
+        scale = "yes" if spec.takes_scale else "no"
+        assert cells[1] == str(spec.hidden_multiple), (
+            f"{name}: hidden size multiple {cells[1]} (needs {spec.hidden_multiple})"
+        )
+        assert cells[2] == scale, f"{name}: input scale {cells[2]} (needs {scale})"
 
 
 def test_every_reason_aspect_has_an_entry():
@@ -163,6 +167,15 @@ def test_every_reason_aspect_has_an_entry():
 def test_the_extraction_finds_what_it_should():
     """A guard on the extractor itself: known aspects of each kind are found."""
     aspects = code_aspects()
-    for known in ("platform", "dtype", "hidden size", "tokens", "setup", "rounding order", "op out of step on rank {}"):
+    known_aspects = (
+        "platform",
+        "dtype",
+        "hidden size",
+        "tokens",
+        "setup",
+        "rounding order",
+        "op out of step on rank {}",
+    )
+    for known in known_aspects:
         assert known in aspects, known
     assert {"ArnormError", "PeerError", "StoreLostError", "ArnormWarning"} <= error_classes()

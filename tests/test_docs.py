@@ -211,7 +211,9 @@ def test_every_pasted_output_is_compared(doc):
     """A block of program output either names what printed it (and a test above compares it) or is
     not in the docs: nothing pasted can go stale unseen."""
     untested = [line for line, producer, _, above in output_blocks(doc) if producer is None and above is None]
-    assert untested == [], f"{doc}: output blocks at lines {untested} name no producer (<!-- output of: ... -->)"
+    assert untested == [], (
+        f"{doc}: output blocks at lines {untested} name no producer (needs <!-- output of: -->)"
+    )
     if doc not in SCRIPTED:
         above = [line for line, producer, _, code in output_blocks(doc) if producer is None]
         assert above == [], f"{doc}: its ```python blocks are not run, so 'the block above' is not compared"
