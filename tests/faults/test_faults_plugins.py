@@ -142,8 +142,8 @@ def test_entry_point_whose_import_never_returns_is_listed_as_timed_out(tmp_path)
 
 @pytest.mark.parametrize("cls", ["IgnoresOut", "FastIgnoresOut"])
 def test_backend_declaring_caller_outputs_that_ignores_out_raises_naming_it(clean_env, cls):
-    """A backend declaring caller_outputs=True whose call (or fast path) returns new tensors instead of writing out=: the call raises naming the backend and
-    the output, not a silent stale buffer."""
+    """A backend declaring caller_outputs=True whose call (or fast path) returns new tensors instead
+    of writing out=: the call raises naming the backend and the output, not a silent stale buffer."""
     import faults_backends
 
     import fake_backends
