@@ -93,11 +93,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 #: The import loops the house keeps, each with its reason (docs/architecture.md, "The rooms").
-ALLOWED_LOOPS = {
-    # QuantizedActivation.dequantize() imports arnorm.quant when called: the public value types
-    # stay free of torch while arnorm.quant builds them. Deferred, one edge, by design.
-    frozenset({"arnorm._types", "arnorm.quant"}): "QuantizedActivation.dequantize() calls the codec",
-}
+ALLOWED_LOOPS: dict[frozenset[str], str] = {}
 
 
 def test_no_import_loop_of_any_kind_but_the_named_ones():
