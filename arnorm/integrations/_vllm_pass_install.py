@@ -113,5 +113,5 @@ def prepare(policy: str) -> str | None:
         return config
 
     create_engine_config.__arnorm_policy__ = policy  # type: ignore[attr-defined]
-    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    EngineArgs.create_engine_config = create_engine_config
     return None

@@ -177,6 +177,9 @@ def _call(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
                 built = _built[key] = _build(key, x)
         if built.refused is not None:
             _warn(built.refused)
+        elif _backend(built, 1) is None:
+            needs = "a fused backend" + (" declaring batch invariance" if batch_invariant else "")
+            _warn(f"op: only arnorm's reference serves this configuration (needs {needs})")
     backend = _backend(built, x.shape[0])
     if backend is None:
         tally[ENTRY, "unfused"] += 1

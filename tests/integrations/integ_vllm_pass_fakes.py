@@ -150,6 +150,8 @@ class VllmBackend:
 def install(monkeypatch: Any, batch_invariant: bool = False) -> dict[str, types.ModuleType]:
     """vLLM's modules the pass imports, as stand-ins in ``sys.modules`` (undone by ``monkeypatch``)."""
     _define_ops()
+    # The plugin wraps EngineArgs.create_engine_config: undone with the rest.
+    monkeypatch.setattr(EngineArgs, "create_engine_config", EngineArgs.__dict__["create_engine_config"])
     _coordinators.clear()
     _coordinators[GROUP] = Coordinator(GROUP)
     modules = {}
