@@ -85,6 +85,8 @@ class ArnormFusionPass(InductorPass):
                            the_plan.unexpected)  # fmt: skip
         else:
             rewrite(graph, the_plan, define(), self.max_tokens, self.batch_invariant)
+            after = plan(graph)
+            report["remaining"] = len(after.seams) + len(after.left)  # all-reduces still before a norm
             for why in the_plan.left:
                 logger.info("arnorm: compile pass left a seam to vLLM: %s", why)
         _reports.append(report)
