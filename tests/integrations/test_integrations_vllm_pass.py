@@ -57,7 +57,8 @@ def _register(caplog) -> str:
 def test_plugin_modules_import_neither_torch_nor_vllm():
     code = (
         "import sys, arnorm.integrations._vllm_plugin, arnorm.integrations._vllm_pass_install, "
-        "arnorm.integrations._vllm_pass_table; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
+        "arnorm.integrations._vllm_pass_table; "
+        "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -82,7 +83,9 @@ def test_take_turns_vllms_allreduce_fusion_off(fake_vllm, caplog, clean_env):
     for args in (engine_args(), engine_args(compilation_config={"pass_config": {}})):
         config = args.create_engine_config()
         assert config.compilation_config.pass_config.fuse_allreduce_rms is False
-        assert config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"].policy == "take"
+        assert (
+            config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"].policy == "take"
+        )
 
 
 def test_off_installs_nothing(fake_vllm, caplog, clean_env):
@@ -108,7 +111,9 @@ def test_a_vllm_whose_pass_api_differs_is_left_alone(fake_vllm, caplog, monkeypa
     def configure_post_pass(self):  # a vLLM that no longer reads the slot
         return None
 
-    monkeypatch.setattr(fake_vllm["vllm.compilation.backends"].VllmBackend, "configure_post_pass", configure_post_pass)
+    monkeypatch.setattr(
+        fake_vllm["vllm.compilation.backends"].VllmBackend, "configure_post_pass", configure_post_pass
+    )
     line = _register(caplog)
     assert "compile pass: not installed (VllmBackend.configure_post_pass: does not add the " in line
     engine_args = fake_vllm["vllm.engine.arg_utils"].EngineArgs
@@ -175,7 +180,9 @@ def _inputs(dtype, tokens=T, seed=0):
 
 def _seam_call(x, res, w, *, gemma=False, max_tokens=16, batch_invariant=False, eps=1e-6):
     pass_op.define()
-    return torch.ops.arnorm.vllm_seam(x, res, w, None, F.GROUP, eps, gemma, "", True, max_tokens, batch_invariant)
+    return torch.ops.arnorm.vllm_seam(
+        x, res, w, None, F.GROUP, eps, gemma, "", True, max_tokens, batch_invariant
+    )
 
 
 def test_the_op_is_fused_within_budget_and_vllms_code_above_it(fake_vllm):
@@ -201,7 +208,7 @@ def test_an_op_that_cannot_be_built_falls_back_with_one_warning(fake_vllm, monke
     x, res, w = _inputs(torch.float16)
     with pytest.warns(arnorm.ArnormWarning) as record:
         for _ in range(3):
-            y, r, _, _ = _seam_call(x, res, w)
+            y, _, _, _ = _seam_call(x, res, w)
     assert len([w for w in record if "unfused code" in str(w.message)]) == 1
     assert "NoEligibleBackendError: backend: none serves this" in str(record[0].message)
     assert torch.equal(y, F.fused_add_rms_norm(x, res, w, 1e-6)[0])
@@ -286,7 +293,7 @@ def test_every_seam_is_fused_and_bitwise_equal_to_vllms_code(fake_vllm, dtype, e
     assert "vllm.all_reduce.default" not in targets and not any(t.startswith("vllm_ir.") for t in targets)
     gm.graph.lint()
     gm.recompile()
-    for got, want in zip(gm(*args), model(*args)):
+    for got, want in zip(gm(*args), model(*args), strict=True):
         assert _bitwise(got, want)
     assert av.served_calls()[pass_op.ENTRY] == {"fused": 2}
 
@@ -308,7 +315,9 @@ def test_an_unexpected_seam_leaves_the_whole_graph_alone(fake_vllm):
     def model(x1, x2, res, w1, w2):
         a = torch.ops.vllm.all_reduce(x1, F.GROUP)  # a fusable seam ...
         y, r = torch.ops.vllm_ir.fused_add_rms_norm(a, res, w1, 1e-6)
-        b = torch.ops.vllm.all_reduce(x2, F.GROUP)  # ... and one normalized twice: a shape arnorm does not know
+        b = torch.ops.vllm.all_reduce(
+            x2, F.GROUP
+        )  # ... and one normalized twice: a shape arnorm does not know
         return y, r, torch.ops.vllm_ir.rms_norm(b, w1, 1e-6), torch.ops.vllm_ir.rms_norm(b, w2, 1e-5)
 
     gm = make_fx(model, tracing_mode="fake")(*_seam_inputs(torch.bfloat16))
@@ -334,7 +343,7 @@ def test_a_norm_arnorm_cannot_match_is_left_to_vllm(fake_vllm):
     rewrite.rewrite(gm.graph, the_plan, pass_op.define(), 16, False)
     gm.graph.lint()
     gm.recompile()
-    for got, want in zip(gm(*args), model(*args)):
+    for got, want in zip(gm(*args), model(*args), strict=True):
         assert _bitwise(got, want)
 
 
@@ -346,12 +355,14 @@ def test_inductor_compiles_the_rewritten_graph_with_a_static_fp8_tail(fake_vllm)
     def model(x1, x2, w1, g, scale):
         a = torch.ops.vllm.all_reduce(x1, F.GROUP)
         y0 = torch.ops.vllm_ir.rms_norm(a, w1, 1e-5, None)
-        y, r = torch.ops.vllm_ir.fused_add_rms_norm(torch.ops.vllm.all_reduce(x2 * 2, F.GROUP), a, g.float() + 1, 1e-6)
+        y, r = torch.ops.vllm_ir.fused_add_rms_norm(
+            torch.ops.vllm.all_reduce(x2 * 2, F.GROUP), a, g.float() + 1, 1e-6
+        )
         q = torch.empty(y.shape, dtype=torch.float8_e4m3fn)
         torch.ops._C.static_scaled_fp8_quant(q, y, scale, [-1, -1])
         return q, r, y0
 
-    x1, x2, res, w1, g = _seam_inputs(torch.bfloat16)
+    x1, x2, _, w1, g = _seam_inputs(torch.bfloat16)
     args = (x1, x2, w1, g * 0.1, torch.tensor([0.05]))
     want = model(*args)
     the_pass = _pass_class()("after", 16, False)
@@ -361,5 +372,5 @@ def test_inductor_compiles_the_rewritten_graph_with_a_static_fp8_tail(fake_vllm)
     from arnorm.integrations._vllm_pass import reports
 
     assert sorted(reports()[-1]["fused"]) == ["gemma_add_rms_norm+fp8_static", "rms_norm"]
-    assert all(_bitwise(a, b) for a, b in zip(got, want))
+    assert all(_bitwise(a, b) for a, b in zip(got, want, strict=True))
     assert av.served_calls()[pass_op.ENTRY] == {"fused": 2}

@@ -122,7 +122,9 @@ def cuda_op_stand_ins() -> None:
     for name in ("fused_add_rms_norm", "fused_add_rms_norm_static_fp8_quant", "rms_norm",
                  "rms_norm_dynamic_per_token_quant", "rms_norm_static_fp8_quant"):  # fmt: skip
         lib.define(f"{name}(Tensor! result) -> ()")
-    lib.define("static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()")
+    lib.define(
+        "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()"
+    )
     lib.impl("static_scaled_fp8_quant", _static_scaled_fp8_quant, "CPU")
     _stand_ins.append(lib)
 
@@ -166,8 +168,7 @@ def compile_pass(rank: int, world: int, phase: str) -> dict[str, Any]:
     vllm.ir.set_default_torch_wrap(True)
     config = VllmConfig()
     added = install(config, "after")  # as the plugin's create_engine_config does
-    report: dict[str, Any] = {"rank": rank, "uuid": added.uuid(), "dtypes": {},
-                              "fuse_allreduce_rms": config.compilation_config.pass_config.fuse_allreduce_rms}  # fmt: skip
+    report: dict[str, Any] = {"rank": rank, "uuid": added.uuid(), "dtypes": {}}
     with set_current_vllm_config(config):
         ps.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
         ps.initialize_model_parallel(world, backend="gloo")
@@ -192,10 +193,44 @@ def compile_pass(rank: int, world: int, phase: str) -> dict[str, Any]:
                     "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
                 }
                 if want is not None:
-                    row["bitwise"] = [_bitwise(a, b) for a, b in zip(got, want)]
+                    row["bitwise"] = [_bitwise(a, b) for a, b in zip(got, want, strict=True)]
                 report["dtypes"][str(dtype).removeprefix("torch.")] = row
         finally:
             ps.destroy_model_parallel()
             ps.destroy_distributed_environment()
     report["pid"] = os.getpid()
     return report
+
+
+def engine_config(rank: int, world: int, path: str) -> dict[str, Any]:
+    """vLLM's front end on the lane's checkpoint at TP 2 (no engine): the general plugins
+    ``VLLM_PLUGINS`` names, loaded as vLLM loads them, then ``EngineArgs.create_engine_config``;
+    what its compile slot holds, its hash, and the same after the pickle a worker receives."""
+    import pickle
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    from arnorm.integrations._vllm_pass_install import KEY
+
+    load_general_plugins()
+    args = EngineArgs(model=path, skip_tokenizer_init=True, tensor_parallel_size=2, dtype="bfloat16",
+                      max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4)  # fmt: skip
+    config = args.create_engine_config()
+    clone = pickle.loads(pickle.dumps(config))
+
+    def slot(c: Any) -> dict[str, Any] | None:
+        added = c.compilation_config.inductor_compile_config.get(KEY)
+        return (
+            None
+            if added is None
+            else {"type": type(added).__name__, "repr": repr(added), "uuid": added.uuid()}
+        )
+
+    return {
+        "hash": config.compute_hash(),
+        "slot": slot(config),
+        "fuse_allreduce_rms": config.compilation_config.pass_config.fuse_allreduce_rms,
+        "unpickled_hash": clone.compute_hash(),
+        "unpickled_slot": slot(clone),
+    }
