@@ -163,11 +163,13 @@ def compile_pass(rank: int, world: int, phase: str) -> dict[str, Any]:
     from arnorm.integrations._vllm_pass import reports
     from arnorm.integrations._vllm_pass_install import KEY as added_key
     from arnorm.integrations._vllm_pass_install import install
+    from arnorm.integrations._vllm_plugin import register
 
     cuda_op_stand_ins()
     vllm.ir.set_default_torch_wrap(True)
+    register()  # arnorm's plugin, as vLLM calls it in every process: defines the op a cached graph calls
     config = VllmConfig()
-    added = install(config, "after")  # as the plugin's create_engine_config does
+    added = install(config, "after")  # what the plugin's create_engine_config does
     report: dict[str, Any] = {"rank": rank, "uuid": added.uuid(), "dtypes": {}}
     with set_current_vllm_config(config):
         ps.init_distributed_environment(world, rank, "env://", rank, backend="gloo")
