@@ -88,8 +88,6 @@ class Config(BaseSettings):
     ``peer_timeout``     ``ARNORM_PEER_TIMEOUT``     seconds construction and a CPU (gloo) call wait
                                                      for the other ranks before raising
                                                      :class:`arnorm.PeerError` (600; at least 1)
-    ``accelerate``       ``ARNORM_ACCELERATE``       test valid calls in arnorm's C helper, built
-                                                     once with Python's C compiler (on)
     ``batch_invariant``  ``ARNORM_BATCH_INVARIANT``  a row's outputs bitwise independent of the token
                                                      count and of the path serving it: only backends
                                                      declaring it are selected (off)
@@ -136,13 +134,6 @@ class Config(BaseSettings):
         "agreement) waits for the other ranks before raising PeerError naming the missing ones: long "
         "enough for a first-use JIT build on a peer (FlashInfer's takes ~6 minutes on a fresh machine), "
         "far below the process group's 30 minutes.",
-    )
-    accelerate: bool = Field(
-        default=True,
-        description="Make the valid-call test of a backend's fast path in arnorm's C helper "
-        "(arnorm/op/_accel.c, compiled once per interpreter into ~/.cache/arnorm); the Python test "
-        "runs where it declines, is off or cannot be built. A speed-up only: results and errors "
-        "are the same.",
     )
     batch_invariant: bool = Field(
         default=False,

