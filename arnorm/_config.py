@@ -10,7 +10,7 @@ the variables; :mod:`arnorm.registry._load` reads settings against the registere
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
@@ -94,6 +94,9 @@ class Config(BaseSettings):
     ``vllm``             ``ARNORM_VLLM``             arnorm's vLLM plugin routes vLLM's fused
                                                      all-reduce + norm helpers to arnorm in every
                                                      vLLM process (on; ``0``: vLLM's own helpers)
+    ``vllm_pass``        ``ARNORM_VLLM_PASS``        arnorm's fusion pass in vLLM's compile
+                                                     pipeline: ``after`` vLLM's FlashInfer pass
+                                                     (default), ``take`` (vLLM's off), or ``off``
     ``settings``         (code only)                 per-backend settings overrides,
                                                      ``{"triton": {"exact": True}}``
     ===================  ==========================  ================================================
@@ -144,6 +147,13 @@ class Config(BaseSettings):
         description="Where arnorm is installed in a vLLM environment, its vllm.general_plugins entry point "
         "routes vLLM's fused all-reduce + norm helpers to arnorm.integrations.vllm in every vLLM process; "
         "False (ARNORM_VLLM=0) leaves vLLM's own helpers in place (docs/integrations.md).",
+    )
+    vllm_pass: Literal["after", "take", "off"] = Field(
+        default="after",
+        description="With the vLLM plugin on, arnorm's all-reduce + norm fusion pass in vLLM's compile "
+        "pipeline: 'after' runs it after vLLM's own passes and fuses the seams vLLM's FlashInfer pass "
+        "leaves; 'take' also turns vLLM's fuse_allreduce_rms off so that arnorm serves every seam; "
+        "'off' installs no pass (docs/integrations.md).",
     )
     settings: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-backend settings set in code: {backend: {field: value}}."
