@@ -43,8 +43,8 @@ from typing import Any
 
 START = time.monotonic()
 EPS = 1e-6
-#: Bytes each copy of the copy-bandwidth yardstick moves one way. Every benchmark and lab uses this
-#: one size, so their fractions of copy bandwidth compare (the labs used 512 MiB until 2026-12-04).
+#: Bytes each copy of the copy-bandwidth yardstick moves one way. Every benchmark uses this one
+#: size, so their fractions of copy bandwidth compare.
 COPY_BYTES = 1 << 30
 #: name -> (quant, scale layout)
 FORMATS: dict[str, tuple[str | None, str | None]] = {

