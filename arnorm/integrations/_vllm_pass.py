@@ -51,6 +51,23 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
+def _trial(graph: fx.Graph, op: Any, max_tokens: int, batch_invariant: bool) -> str | None:
+    """Why rewriting ``graph`` would fail (or leave an invalid graph), found on a copy; None when it
+    would not. The rewrite of ``graph`` itself then repeats what succeeded here: the graph vLLM
+    compiles is either wholly rewritten or untouched, never left half rewritten by an error."""
+    import copy
+
+    from arnorm.integrations._vllm_pass_rewrite import plan, rewrite
+
+    try:
+        trial = copy.deepcopy(graph)
+        rewrite(trial, plan(trial), op, max_tokens, batch_invariant)
+        trial.lint()
+    except Exception as exc:
+        return f"rewrite failed: {type(exc).__name__}: {exc}"
+    return None
+
+
 class ArnormFusionPass(InductorPass):
     """Replace vLLM's TP all-reduce -> RMSNorm (-> quant) seams by arnorm's fused op.
 
@@ -79,12 +96,17 @@ class ArnormFusionPass(InductorPass):
         the_plan = plan(graph)
         report: dict[str, Any] = {"fused": [s.kind() for s in the_plan.seams], "left": the_plan.left,
                                   "unexpected": the_plan.unexpected}  # fmt: skip
-        if the_plan.unexpected is not None:
+        op = define()
+        why = None if the_plan.unexpected is None else f"unexpected seam: {the_plan.unexpected}"
+        if why is None:
+            why = _trial(graph, op, self.max_tokens, self.batch_invariant)
+            if why is not None:
+                report.update(left=[], unexpected=why)
+        if why is not None:
             report["fused"] = []
-            logger.warning("arnorm: compile pass left a graph alone: unexpected seam: %s",
-                           the_plan.unexpected)  # fmt: skip
+            logger.warning("arnorm: compile pass left a graph alone: %s", why)
         else:
-            rewrite(graph, the_plan, define(), self.max_tokens, self.batch_invariant)
+            rewrite(graph, the_plan, op, self.max_tokens, self.batch_invariant)
             after = plan(graph)
             report["remaining"] = len(after.seams) + len(after.left)  # all-reduces still before a norm
             for why in the_plan.left:

@@ -330,6 +330,42 @@ def test_an_unexpected_seam_leaves_the_whole_graph_alone(fake_vllm):
     assert str(gm.graph) == before
 
 
+def test_a_rewrite_failing_part_way_leaves_the_whole_graph_alone(fake_vllm, monkeypatch, caplog):
+    """A seam the plan accepted but the rewrite cannot emit (here the second seam's outputs fail):
+    the graph vLLM compiles is the one it had, not one with the first seam rewritten, and the pass
+    says why instead of raising into vLLM's compilation."""
+    calls = []
+    real = rewrite._fake_outputs
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            raise RuntimeError("no fake outputs for this seam")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rewrite, "_fake_outputs", second_fails)
+    model = _two_layers(False, True, 1e-6)
+    args = _seam_inputs(torch.bfloat16)
+    gm = make_fx(model, tracing_mode="fake")(*args)
+    assert len(rewrite.plan(gm.graph).seams) == 2
+    before = str(gm.graph)
+    with caplog.at_level(logging.WARNING, logger="vllm.arnorm"):
+        _pass_class()("after", 16, False)(gm.graph)
+    assert str(gm.graph) == before
+    from arnorm.integrations._vllm_pass import reports
+
+    report = reports(reset=True)[-1]
+    assert report["fused"] == [] and report["unexpected"] == (
+        "rewrite failed: RuntimeError: no fake outputs for this seam"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "vllm.arnorm"] == [
+        "arnorm: compile pass left a graph alone: rewrite failed: RuntimeError: no fake outputs for this seam"
+    ]
+    gm.recompile()
+    for got, want in zip(gm(*args), model(*args), strict=True):
+        assert _bitwise(got, want)  # vLLM's own ops, as traced
+
+
 def test_a_norm_arnorm_cannot_match_is_left_to_vllm(fake_vllm):
     def model(x1, x2, res, w1, w2):
         a = torch.ops.vllm.all_reduce(x1, F.GROUP)
