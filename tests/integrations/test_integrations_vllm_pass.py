@@ -416,6 +416,39 @@ def test_inductor_compiles_the_rewritten_graph_with_a_static_fp8_tail(fake_vllm)
     assert av.served_calls()[pass_op.ENTRY] == {"fused": 2}
 
 
+@pytest.mark.slow
+def test_inductors_cache_of_another_arnorm_version_is_not_used(fake_vllm, monkeypatch, tmp_path):
+    """Inductor's own on-disk cache, as a second process of vLLM meets it: a graph compiled with
+    this arnorm is a cache hit (the pass does not run again); the same graph with another arnorm
+    version is a miss, so the pass runs again and the compiled code calls this version's op."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def model(x1, x2, res, w1, w2):
+        a = torch.ops.vllm.all_reduce(x1, F.GROUP)
+        y, r = torch.ops.vllm_ir.fused_add_rms_norm(a, res, w1, 1e-6)
+        return y, r
+
+    args = _seam_inputs(torch.bfloat16)
+    want = model(*args)
+    from arnorm.integrations._vllm_pass import reports
+
+    def compile_once() -> int:
+        torch._dynamo.reset()
+        reports(reset=True)
+        options = {"post_grad_custom_post_pass": _pass_class()("after", 16, False)}
+        with torch._inductor.config.patch(fx_graph_cache=True, fx_graph_remote_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=True):  # fmt: skip
+            got = torch.compile(model, backend="inductor", options=options, dynamic=False)(*args)
+        assert all(_bitwise(a, b) for a, b in zip(got, want, strict=True))
+        return len(reports())
+
+    assert compile_once() == 1  # compiled: the pass ran
+    assert compile_once() == 0  # the cache served this version's graph
+    monkeypatch.setattr(arnorm, "__version__", "0.0.1+other")
+    assert compile_once() == 1  # another version: compiled again, the pass ran again
+    assert av.served_calls()[pass_op.ENTRY] == {"fused": 3}
+
+
 def test_compile_pass_reports_is_empty_where_no_pass_ran():
     code = "from arnorm.integrations import vllm; print(vllm.compile_pass_reports())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
