@@ -22,6 +22,7 @@ from arnorm.integrations import _vllm_pass_op as pass_op
 from arnorm.integrations import _vllm_pass_rewrite as rewrite
 from arnorm.integrations import _vllm_plugin
 from arnorm.integrations import vllm as av
+from arnorm.testing import run_ranks
 
 T, H = 4, 64
 
@@ -215,6 +216,37 @@ def test_an_op_that_cannot_be_built_falls_back_with_one_warning(fake_vllm, monke
     assert "NoEligibleBackendError: backend: none serves this" in str(record[0].message)
     assert torch.equal(y, F.fused_add_rms_norm(x, res, w, 1e-6)[0])
     assert av.served_calls()[pass_op.ENTRY] == {"unfused": 3}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("env", "broken_on", "warning"),
+    [
+        ([{}, {"ARNORM_BACKEND": "fused"}], None, "InvalidInputError: ranks disagree on backend preference"),
+        ([{}, {}], 1, "op: only arnorm's reference serves this configuration (needs a fused backend)"),
+    ],
+    ids=["settings-differ-on-one-rank", "backend-fails-on-one-rank"],
+)
+def test_an_op_that_cannot_be_built_on_one_rank_falls_back_alike_on_every_rank(env, broken_on, warning):
+    """TP 2 (gloo): the op cannot be built because of one rank (its ARNORM_BACKEND, or the fused
+    backend failing to build there). Every rank runs vLLM's unfused code for every call, with one
+    warning, the same text on every rank; none waits on a collective the other does not make."""
+    import integ_vllm_pass_ranks
+
+    results = run_ranks(2, integ_vllm_pass_ranks.seam_calls, [4, 16, 17], broken_on, env=env, timeout=180)
+    for r in results:
+        assert r["equal"] == [True, True, True], r
+        assert r["served"] == {"unfused": 3}, r
+        assert len(r["warnings"]) == 1 and warning in r["warnings"][0], r
+    assert results[0]["warnings"] == results[1]["warnings"]
+
+
+@pytest.mark.slow
+def test_the_op_fuses_on_every_rank_at_tp2():
+    import integ_vllm_pass_ranks
+
+    for r in run_ranks(2, integ_vllm_pass_ranks.seam_calls, [4, 16, 17], timeout=180):
+        assert r == {"equal": [True, True, True], "warnings": [], "served": {"fused": 2, "unfused": 1}}
 
 
 def test_fake_outputs_have_vllms_buffer_shapes():
