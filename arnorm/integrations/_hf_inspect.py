@@ -137,11 +137,13 @@ def _check_norm(module: Any, where: str, plan: ModelPlan) -> tuple[Any, RMSNorm]
 
 
 def _same_as_arnorm(module: Any, weight: torch.Tensor, norm: RMSNorm) -> bool:
-    """The module's own output on a few seeded rows equals arnorm's formula bit for bit."""
+    """The module's own output on a few seeded rows equals arnorm's formula bit for bit. Its forward
+    alone: a user's forward hooks never see these rows (a hooked norm's site runs the model's own
+    path, hooks included, at every call: :mod:`arnorm.integrations._hf_layers`)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4, weight.shape[0], generator=g) * 3).to(weight.dtype).to(weight.device)
     with torch.no_grad():
-        theirs = module(x)
+        theirs = module.forward(x)
         _, ours = add_rmsnorm(x, None, weight, norm.eps, norm.weight_offset, norm.round_before_weight)
     return isinstance(theirs, torch.Tensor) and theirs.dtype == ours.dtype and torch.equal(theirs, ours)
 

@@ -305,6 +305,36 @@ def test_a_model_changed_after_fuse_keeps_its_own_numerics(family, change):
     assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("changes", [False, True], ids=["watching-hook", "changing-hook"])
+def test_a_norm_hook_registered_before_fuse_runs_as_unfused(family, changes):
+    """A forward hook on a norm module registered before fuse(), one that only looks (monitoring)
+    or one that changes the output (steering): fuse() never runs it on its own test rows (it used
+    to, twice, or refused the changing one as a norm it cannot reproduce); at each call of the fused
+    model it runs as in the unfused model, sees the same tensors, and the logits are bitwise the
+    unfused model's."""
+    seen: dict[str, list[torch.Tensor]] = {"unfused": [], "fused": []}
+
+    def hook(key):
+        def fn(module, args, out):
+            seen[key].append(out.clone())
+            return out * 2 if changes else None
+
+        return fn
+
+    unfused, fused = hm.make(family, dtype=torch.bfloat16), hm.make(family, dtype=torch.bfloat16)
+    for key, model in (("unfused", unfused), ("fused", fused)):
+        _stack(model).layers[0].post_attention_layernorm.register_forward_hook(hook(key))
+        _stack(model).layers[1].input_layernorm.register_forward_hook(hook(key))
+    with torch.no_grad():
+        want = unfused(IDS).logits
+        with fuse(fused, arnorm.LOCAL, max_tokens=16):
+            got = fused(IDS).logits
+    assert torch.equal(got, want)
+    assert len(seen["fused"]) == len(seen["unfused"]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen["fused"], seen["unfused"], strict=True))
+
+
 def test_a_fused_model_refuses_deepcopy_and_torch_save(tmp_path):
     """deepcopy of a fused model ran the original model's layers; torch.save failed with a pickle
     AttributeError. Both are refused with an arnorm error naming them; after close() both work."""
