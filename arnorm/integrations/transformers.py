@@ -136,11 +136,10 @@ class FusedModel:
         module.forward = _Installed(forward)
 
 
-#: Why a fused model cannot be copied or saved as it is.
+#: Why a fused model cannot be copied or saved as it is (the end of the "needs" of both errors).
 _NOT_COPYABLE = (
-    "(needs handle.close() first, then fuse() again: a fused model's layers run through forwards "
-    "that hold the original model's modules and arnorm's ops, so a copy would run the original's "
-    "layers, and a saved one could not be loaded)"
+    ": a fused model's layers run through forwards that hold the original model's modules and "
+    "arnorm's ops, so a copy would run the original's layers, and a saved one could not be loaded)"
 )
 
 
@@ -162,12 +161,14 @@ class _Installed:
 
     def __deepcopy__(self, memo: Any) -> Any:
         raise InvalidInputError(
-            f"copy.deepcopy: a model fused by arnorm.integrations.transformers.fuse() {_NOT_COPYABLE}"
+            "copy.deepcopy: a model fused by arnorm.integrations.transformers.fuse() (needs "
+            "handle.close() first, then fuse() again" + _NOT_COPYABLE
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise InvalidInputError(
-            f"torch.save / pickle: a model fused by arnorm.integrations.transformers.fuse() {_NOT_COPYABLE}"
+            "torch.save / pickle: a model fused by arnorm.integrations.transformers.fuse() (needs "
+            "handle.close() first, then fuse() again" + _NOT_COPYABLE
         )
 
 
