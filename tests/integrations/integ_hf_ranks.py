@@ -201,6 +201,7 @@ def fuse_attacks(rank: int, world: int, folder: str) -> dict[str, Any]:
     model = hm.load(folder, torch.float32, tp=world)
     seen: list[torch.Tensor] = []
     hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o))
+    dist.barrier()  # the short peer_timeout measures the fault, not one rank's slower load
     out["down_proj_hook"] = _refusal(lambda: fuse(model, dist.group.WORLD, max_tokens=8, config=config))
     hook.remove()
     dist.barrier()
