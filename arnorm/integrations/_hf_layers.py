@@ -48,7 +48,15 @@ import torch.nn.functional as F
 from arnorm._errors import InvalidInputError, NoEligibleBackendError
 from arnorm.integrations._common import guard_backward, norm_eps, warn_once
 
-__all__ = ["Carry", "Step", "final_norm_forward", "layer_forward", "row_parallel_forward"]
+__all__ = [
+    "Carry",
+    "Reducing",
+    "Step",
+    "final_norm_forward",
+    "layer_forward",
+    "needs_reduced",
+    "row_parallel_forward",
+]
 
 
 class Carry:
@@ -72,16 +80,14 @@ class Carry:
         return normed
 
 
-def hooked(module: Any) -> bool:
-    """Whether calling ``module`` would run forward hooks (its own or global ones)."""
+def hooked(module: Any, pre: bool = True) -> bool:
+    """Whether calling ``module`` would run forward hooks (its own or global ones; pre-hooks too
+    unless ``pre`` is False)."""
     from torch.nn.modules import module as nn_module
 
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or nn_module._global_forward_hooks
-        or nn_module._global_forward_pre_hooks
-    )
+    if getattr(module, "_forward_hooks", None) or nn_module._global_forward_hooks:
+        return True
+    return pre and bool(getattr(module, "_forward_pre_hooks", None) or nn_module._global_forward_pre_hooks)
 
 
 class Step:
@@ -144,12 +150,13 @@ class Step:
         return known
 
     def __call__(
-        self, partial: torch.Tensor, residual: torch.Tensor | None
+        self, partial: torch.Tensor, residual: torch.Tensor | None, is_sum: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(new residual, normed)``; without a residual the first is the reduced sum."""
+        """``(new residual, normed)``; without a residual the first is the reduced sum. ``is_sum``:
+        ``partial`` is already the sum (the layer runs unfused): the model's own path, no all-reduce."""
         norm: Any = self.norm if self.owner is None else getattr(self.owner, self.attr, None)
-        if norm is not self.norm or norm_eps(norm) != self.eps or (self.direct and hooked(norm)):
-            return self._own_path(partial, residual, norm)
+        if is_sum or norm is not self.norm or norm_eps(norm) != self.eps or (self.direct and hooked(norm)):
+            return self._own_path(partial, residual, norm, is_sum)
         self.used = norm
         shape = partial.shape
         h = shape[-1]
@@ -175,12 +182,13 @@ class Step:
         return new_residual, self.norm_forward(new_residual)
 
     def _own_path(
-        self, partial: torch.Tensor, residual: torch.Tensor | None, norm: Any
+        self, partial: torch.Tensor, residual: torch.Tensor | None, norm: Any, is_sum: bool = False
     ) -> tuple[torch.Tensor, Any]:
         """The model's own path through the module in place now (changed since fuse(), or hooked):
-        the all-reduce, the add, and the module called as the model calls it (hooks included). A
-        site whose normed output goes through the carry hands none over: its consumer norms."""
-        reduced = partial if self.all_reduce is None else self.all_reduce(partial)
+        the all-reduce (unless ``is_sum``), the add, and the module called as the model calls it
+        (hooks included). A site whose normed output goes through the carry hands none over: its
+        consumer norms."""
+        reduced = partial if self.all_reduce is None or is_sum else self.all_reduce(partial)
         new_residual = reduced if residual is None else residual + reduced
         if not self.direct:
             self.used = None
@@ -215,8 +223,20 @@ class Step:
         warn_once(f"arnorm.integrations.transformers: a site ran unfused: {reason}", 3)
 
 
-def row_parallel_forward(linear: torch.nn.Linear) -> Callable[..., torch.Tensor]:
-    """``linear``'s forward returning this rank's partial sum: the rowwise style without its all-reduce."""
+class Reducing:
+    """Per decoder layer at TP: whether this call's row-parallel linears reduce their own output (the
+    layer runs unfused because something would otherwise see a partial sum: see
+    :func:`needs_reduced`), with the all-reduce they use then."""
+
+    __slots__ = ("all_reduce", "on")
+
+    def __init__(self, all_reduce: Callable[[torch.Tensor], Any]) -> None:
+        self.all_reduce, self.on = all_reduce, False
+
+
+def row_parallel_forward(linear: torch.nn.Linear, reducing: Reducing) -> Callable[..., torch.Tensor]:
+    """``linear``'s forward returning this rank's partial sum: the rowwise style without its
+    all-reduce; with it while ``reducing.on`` (the layer runs unfused)."""
     from torch.distributed.tensor import DTensor, Shard
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -224,9 +244,26 @@ def row_parallel_forward(linear: torch.nn.Linear) -> Callable[..., torch.Tensor]
             x = x.redistribute(placements=[Shard(-1)]).to_local()
         weight = linear.weight
         local = weight.to_local() if isinstance(weight, DTensor) else weight
-        return F.linear(x, local)
+        out = F.linear(x, local)
+        return reducing.all_reduce(out) if reducing.on else out
 
     return forward
+
+
+def needs_reduced(layer: Any, linears: dict[str, Any]) -> bool:
+    """Whether a call of ``layer`` must see reduced row-parallel outputs, as the unfused TP model
+    does: a forward hook on a row-parallel linear or on a module holding it (``self_attn``,
+    ``mlp``) would otherwise see this rank's partial sum, and a linear replaced since fuse() runs
+    its own forward (the model's rowwise style reduces there)."""
+    for path, linear in linears.items():
+        module = layer
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None or hooked(module, pre=False):
+                return True
+        if module is not linear:
+            return True
+    return False
 
 
 def _all_reduce(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -254,8 +291,17 @@ def _kwargs(sig: inspect.Signature, layer: Any, x: Any, args: tuple[Any, ...], k
     return out
 
 
-def layer_forward(layer: Any, kind: str, carry: Carry, steps: dict[str, Step]) -> Callable[..., torch.Tensor]:
-    """The fused forward of one decoder layer (``kind``: ``pre_norm`` or ``sandwich``)."""
+def layer_forward(
+    layer: Any,
+    kind: str,
+    carry: Carry,
+    steps: dict[str, Step],
+    reducing: Reducing | None = None,
+    linears: dict[str, Any] | None = None,
+) -> Callable[..., torch.Tensor]:
+    """The fused forward of one decoder layer (``kind``: ``pre_norm`` or ``sandwich``). At TP,
+    ``reducing`` is shared with the layer's row-parallel ``linears`` (by path): a call that
+    :func:`needs_reduced` runs them with their all-reduce and its sites on the model's own path."""
     sig = inspect.signature(type(layer).forward)
     anchors = (layer.input_layernorm.weight,)
     sandwich = kind == "sandwich"
@@ -270,15 +316,22 @@ def layer_forward(layer: Any, kind: str, carry: Carry, steps: dict[str, Step]) -
             normed = carry.take(hidden_states, input_norm)
             if normed is None:
                 normed = input_norm(hidden_states)
-            attn = layer.self_attn(hidden_states=normed, **kwargs)[0]
-            if sandwich:
-                _, a = attn_step(attn, None)
-                h, y = pre_ff(a, hidden_states)  # type: ignore[misc]
-                _, b = mlp_step(layer.mlp(y), None)
-                h2, y2 = mlp_residual(b, h)  # type: ignore[misc]
-            else:
-                h, y = attn_step(attn, hidden_states)
-                h2, y2 = mlp_step(layer.mlp(y), h)
+            summed = reducing is not None and needs_reduced(layer, linears or {})
+            if reducing is not None:
+                reducing.on = summed
+            try:
+                attn = layer.self_attn(hidden_states=normed, **kwargs)[0]
+                if sandwich:
+                    _, a = attn_step(attn, None, summed)
+                    h, y = pre_ff(a, hidden_states)  # type: ignore[misc]
+                    _, b = mlp_step(layer.mlp(y), None, summed)
+                    h2, y2 = mlp_residual(b, h)  # type: ignore[misc]
+                else:
+                    h, y = attn_step(attn, hidden_states, summed)
+                    h2, y2 = mlp_step(layer.mlp(y), h, summed)
+            finally:
+                if reducing is not None:
+                    reducing.on = False
         out = guard_backward(h2, (hidden_states, *anchors))
         last = mlp_residual if sandwich else mlp_step
         carry.put(out, y2, last.used)  # type: ignore[union-attr]

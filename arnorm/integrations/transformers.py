@@ -34,6 +34,7 @@ from arnorm.comm._comm import Comm
 from arnorm.integrations._hf_inspect import LayerPlan, ModelPlan, inspect_model
 from arnorm.integrations._hf_layers import (
     Carry,
+    Reducing,
     Step,
     final_norm_forward,
     layer_forward,
@@ -357,10 +358,11 @@ def _build(
         steps = _layer_steps(lp, following(lp.index), op, ar, local)
         for role, name in _site_names(lp).items():
             handle._sites.append((lp.index, role, name, steps[role]))
-        if not local:
+        reducing = None if local or ar is None else Reducing(ar)
+        if reducing is not None:
             for linear in lp.row_parallel.values():
-                handle._patch(linear, row_parallel_forward(linear))
-        handle._patch(lp.module, layer_forward(lp.module, lp.kind, carry, steps))
+                handle._patch(linear, row_parallel_forward(linear, reducing))
+        handle._patch(lp.module, layer_forward(lp.module, lp.kind, carry, steps, reducing, lp.row_parallel))
     handle._patch(final_module, final_norm_forward(final_module, final_original, carry))
 
 

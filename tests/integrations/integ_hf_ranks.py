@@ -229,3 +229,26 @@ def _attempt(fn: Any) -> tuple[str, ...]:
         return ("ok",)
     except Exception as exc:
         return ("error", type(exc).__name__, str(exc))
+
+
+def hooks_after_fuse(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """At TP ``world``, hooks added after fuse() where a partial sum flows: one watching layer 0's
+    ``mlp.down_proj``, one changing layer 1's ``mlp`` output. The fused model against the unfused
+    one with the same hooks: the logits, and what the watching hook saw."""
+    seen: dict[str, list[torch.Tensor]] = {"unfused": [], "fused": []}
+    models = {key: hm.load(folder, torch.float32, tp=world) for key in seen}
+    handle = fuse(models["fused"], dist.group.WORLD, max_tokens=8, backend="reference")
+    logits = {}
+    for key, model in models.items():
+        layers = model.model.layers
+        layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o, key=key: seen[key].append(o.clone()))
+        layers[1].mlp.register_forward_hook(lambda m, i, o: o * 0.5)
+        with torch.no_grad():
+            logits[key] = model(_ids(1, 4)).logits
+    handle.close()
+    diffs = [float((a - b).abs().max()) for a, b in zip(seen["fused"], seen["unfused"], strict=True)]
+    return {
+        "calls": [len(seen["fused"]), len(seen["unfused"])],
+        "seen_close": bool(diffs) and max(diffs) < FP32_TOL,
+        "logits_close": bool((logits["fused"] - logits["unfused"]).abs().max() < FP32_TOL),
+    }

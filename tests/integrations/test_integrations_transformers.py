@@ -380,3 +380,15 @@ def test_fuse_at_tp2_refuses_a_down_proj_hook_and_a_lone_rank(saved):
     assert late[:2] == ("error", "PeerError"), late
     assert late[2].startswith("fuse: peers: rank 0 gave up on calling fuse() #2 on group [0, 1] at "), late
     assert results[1]["seconds"] < 2, results[1]
+
+
+@pytest.mark.slow
+def test_hooks_added_after_fuse_at_tp2_see_what_they_see_unfused(saved):
+    """TP 2: a hook added after fuse() on a down_proj (or on the mlp holding it) saw this rank's
+    partial sum, and a hook changing the mlp's output changed a partial sum. Now a layer whose
+    row-parallel linears or their holders are hooked runs unfused for that call: the hooks see the
+    reduced output, and the logits are the unfused model's with the same hooks."""
+    import integ_hf_ranks
+
+    for r in run_ranks(2, integ_hf_ranks.hooks_after_fuse, saved["llama"], env=RANK_ENV, timeout=240):
+        assert r == {"calls": [1, 1], "seen_close": True, "logits_close": True}, r
