@@ -179,6 +179,15 @@ class Channel:
         self.store.set(self._key(0, self.rank), payload)
         return True
 
+    def done(self) -> None:
+        """This rank leaves an agreement whose gathers all completed (one of a gather, as fuse()'s).
+        A peer still in the last gather may find this rank already at its next build: the count of
+        gathers noted here tells it that is no drift (see :meth:`_join_later_build`). The last rank
+        to leave deletes the keys."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}/passed/{self.rank}", str(self.passed))
+        self.release()
+
     def release(self) -> None:
         """This rank is done with the op (closed or dropped). The last rank to say so deletes the
         op's keys: every rank has then read all it will read (without this, 4 keys per op stayed in

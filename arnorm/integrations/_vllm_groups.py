@@ -110,6 +110,7 @@ def agree_routing(coordinator: Any, routed: bool) -> None:
     channel = Channel(store, ranks, dist.get_rank(group), timeout, namespace="arnorm-vllm")
     channel.what, channel.phase = "the routing check of vLLM's helpers", "making"
     seen = channel.gather(bool(routed))
+    channel.done()
     if len(set(seen)) > 1:
         detail = "; ".join(
             f"{ranks_text([r], ranks)}: {'routed to arnorm' if s else 'left to vLLM (ARNORM_VLLM=0)'}"

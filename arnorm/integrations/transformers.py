@@ -208,6 +208,7 @@ def _agreed(comm: Comm | None, reasons: list[str], config: Config | None) -> lis
         channel.phase = "calling"
         try:
             seen = channel.gather(reasons)
+            channel.done()
         except PeerError as exc:
             channel.abandon(f"peers: {channel.who([comm.rank])} gave up on fuse() ({exc})")
             raise PeerError(

@@ -75,3 +75,26 @@ def subgroup_messages(rank: int, world: int):
     )
     op.close()
     return got
+
+
+def one_gather_agreements_in_a_row(rank: int, world: int, rounds: int):
+    """``rounds`` agreements of one gather each on WORLD (as fuse() and the vLLM routing check make
+    them), rank 0 slow to look at each after writing its key (rank 1 done and already at the next
+    one by then); what each rank gathered in each round."""
+    from arnorm.comm import _rendezvous as rz
+
+    store = dist.distributed_c10d._get_default_store()
+    wait = rz.Channel._wait
+
+    def slow(self, *args, **kwargs):
+        time.sleep(1.0)
+        return wait(self, *args, **kwargs)
+
+    if rank == 0:
+        rz.Channel._wait = slow  # type: ignore[method-assign]
+    seen = []
+    for i in range(rounds):
+        channel = rz.Channel(store, (0, 1), rank, 5.0, namespace="arnorm-test")
+        seen.append(attempt(lambda c=channel, i=i: c.gather(f"round {i} rank {rank}")))
+        channel.done()
+    return seen

@@ -46,3 +46,14 @@ def test_messages_on_a_subgroup_name_global_ranks_with_their_group_position():
     assert (kind, name) == ("error", "PeerError"), got
     assert message.startswith("op out of step on rank 2 [group rank 1]: it rejected its call 1"), message
     assert results[2]["rejected"][:2] == ("error", "InvalidInputError"), results[2]
+
+
+@pytest.mark.slow
+def test_one_gather_agreements_in_a_row_pair_round_by_round():
+    """A rank that completed a one-gather agreement (fuse(), vLLM's routing check) and began the
+    next while its peer had not yet looked at the first: the peer took it for drift, joined the
+    next build with the first round's data, and both then paired the wrong rounds (or timed out).
+    Each round now pairs with itself."""
+    results = run_ranks(2, comm_ranks.one_gather_agreements_in_a_row, 3, env=ENV, timeout=90)
+    want = [("ok", [f"round {i} rank 0", f"round {i} rank 1"]) for i in range(3)]
+    assert results == [want, want], results
