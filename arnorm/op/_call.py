@@ -204,6 +204,8 @@ def call(
             )
             if grad and d.inplace and hidden_states.requires_grad and hidden_states.is_leaf:
                 ok = False
+            if grad and d.rules.writes_residual and residual.requires_grad and residual.is_leaf:  # type: ignore[union-attr]
+                ok = False
         except (AttributeError, TypeError, IndexError, RuntimeError):
             ok = grad = False
         checked = out is None
@@ -234,7 +236,7 @@ def call(
             if result is not None:
                 if out is not None and not (
                     type(result) is Output
-                    and result.normed is out.normed
+                    and (result.normed is out.normed or out.normed is None)  # None: normed over hidden_states
                     and result.quant is out.quant
                     and (d.inplace or result.residual is out.residual)
                 ):
@@ -282,7 +284,7 @@ def returned_out(d: Dispatch, result: Any, out: Output, hidden_states: Any) -> O
     the caller's buffers unwritten, and the values an engine reads next would be stale."""
     if (
         type(result) is Output
-        and result.normed is out.normed
+        and (result.normed is out.normed or out.normed is None)  # None: normed over hidden_states
         and (d.inplace or result.residual is out.residual)
     ):
         q = out.quant

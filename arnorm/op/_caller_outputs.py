@@ -55,6 +55,9 @@ class OutRules:
     layout: str | None
     normed: bool
     inplace: bool
+    #: The in-place layout: the normed output goes over ``hidden_states`` (no ``out.normed``) and
+    #: the new residual over ``residual``.
+    normed_over_input: bool = False
 
 
 class Spans(NamedTuple):
@@ -72,7 +75,7 @@ def _dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...
     import torch
 
     dests: list[tuple[str, str, tuple[int, ...], Any]] = []
-    if rules.normed:
+    if rules.normed and not rules.normed_over_input:
         dests.append(("out.normed", "normed", (t, rules.hidden), rules.dtype))
     if not rules.inplace:
         dests.append(("out.residual", "residual", (t, rules.hidden), rules.dtype))
@@ -124,6 +127,12 @@ def check_out_tensors(rules: OutRules, out: object, t: int) -> list[tuple[str, A
             )
     if not rules.normed and out.normed is not None:
         raise InvalidInputError("out.normed: Tensor (needs None: the op was built with normed_output=False)")
+    if rules.normed_over_input and (out.normed is not None or out.residual is not None):
+        arg = "out.normed" if out.normed is not None else "out.residual"
+        raise InvalidInputError(
+            f"{arg}: Tensor (needs None: the op was built with output_layout='in_place', which writes "
+            "the normed output over hidden_states and the new residual over residual)"
+        )
     dests = []
     for arg, field, shape, dtype in _dest_shapes(rules, t):
         d = _field(out, field)
@@ -272,7 +281,7 @@ def unwritten_destination(result: Any, out: Output, rules: OutRules) -> str:
     new ones has left the caller's buffers unwritten."""
     if not isinstance(result, Output):
         return "out"
-    if not _same_memory(result.normed, out.normed):
+    if not rules.normed_over_input and not _same_memory(result.normed, out.normed):
         return "out.normed"
     if not rules.inplace and not _same_memory(result.residual, out.residual):
         return "out.residual"
@@ -291,7 +300,8 @@ def empty_output(rules: OutRules, t: int, scale: Any = None) -> Output:
 
     from arnorm.quant import empty_quantized
 
-    normed = torch.empty(t, rules.hidden, dtype=rules.dtype, device=rules.device) if rules.normed else None
+    own_normed = rules.normed and not rules.normed_over_input
+    normed = torch.empty(t, rules.hidden, dtype=rules.dtype, device=rules.device) if own_normed else None
     residual = None if rules.inplace else torch.empty(t, rules.hidden, dtype=rules.dtype, device=rules.device)
     quant = None
     if rules.quant is not None:
@@ -337,10 +347,10 @@ class CopyInto:
 
 def copy_into(got: Output, out: Output, inplace: bool) -> Output:
     """``got``'s values in ``out``'s tensors, returned as the call's :class:`Output`."""
-    normed = None
-    if got.normed is not None:
-        normed = out.normed.copy_(got.normed)  # type: ignore[union-attr]
-    residual = got.residual if inplace else out.residual.copy_(got.residual)
+    # An out without normed / residual (the in-place layout, or an in-place op's residual): the
+    # backend's own tensor, which is the input it wrote over.
+    normed = got.normed if out.normed is None else out.normed.copy_(got.normed)  # type: ignore[arg-type]
+    residual = got.residual if inplace or out.residual is None else out.residual.copy_(got.residual)
     quant = got.quant
     if quant is not None:
         dq = out.quant

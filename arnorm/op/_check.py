@@ -18,7 +18,8 @@ A call is accepted when:
 - ``scale`` is an fp32 ``[1]`` tensor on the device for fp8_static / nvfp4, else ``None``;
 - no tensor has the negative or conjugate bit set (``torch._neg_view``, ``z.conj().imag``): a
   backend reads the memory through its data pointer, where the lazy negation is not applied;
-- with autograd recording, an in-place op is not handed a leaf ``hidden_states`` that requires grad.
+- with autograd recording, an in-place op is not handed a leaf ``hidden_states`` that requires grad,
+  nor an op of the in-place layout (``output_layout="in_place"``) a leaf ``residual`` that does.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class CallRules:
     inplace: bool
     strided_rows: bool
     add_residual: bool = True
+    #: The in-place layout: the new residual is written over ``residual``.
+    writes_residual: bool = False
 
 
 def span(t: Any, rows: int, cols: int) -> tuple[int, int]:
@@ -191,4 +194,10 @@ def check_call(
         raise InvalidInputError(
             "hidden_states: a leaf tensor that requires grad (needs .detach() or torch.no_grad(): "
             "the op writes the new residual into it)"
+        )
+    written = res if rules.writes_residual else None
+    if written is not None and torch.is_grad_enabled() and written.requires_grad and written.is_leaf:
+        raise InvalidInputError(
+            "residual: a leaf tensor that requires grad (needs .detach() or torch.no_grad(): the op, "
+            "built with output_layout='in_place', writes the new residual into it)"
         )

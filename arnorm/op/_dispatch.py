@@ -156,11 +156,13 @@ def build_dispatch(
     fast_table = [None if i < 0 else fast[i] for i in served_by]
     dtype = getattr(torch, problem.dtype)
     out_rules = OutRules(problem.hidden_size, dtype, device, problem.quant, problem.scale_layout,
-                         problem.normed_output, problem.inplace)  # fmt: skip
+                         problem.normed_output, problem.inplace,
+                         problem.output_layout == "in_place")  # fmt: skip
     out_trust = OutTrust(out_rules)
     strided = all(c.strided_rows for c in caps)
     rules = CallRules(problem.hidden_size, problem.max_tokens, dtype, device, problem.quant,
-                      needs_scale(problem.quant), problem.inplace, strided, problem.add_residual)  # fmt: skip
+                      needs_scale(problem.quant), problem.inplace, strided, problem.add_residual,
+                      problem.output_layout == "in_place")  # fmt: skip
     itemsize = torch.empty((), dtype=dtype).element_size()
     trust = Trust(rules)
     # The call's token: list.pop is atomic, so two threads can never both hold it (a
