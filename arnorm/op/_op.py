@@ -107,7 +107,8 @@ class AllReduceNorm:
             residual as ``inplace`` says. ``"in_place"``: the normed output over ``hidden_states``
             and the new residual over ``residual`` (vLLM's ``fused_add_rms_norm`` and FlashInfer's
             ``fused_add_rmsnorm`` layout: two ``[T, H]`` tensors touched instead of three; with
-            ``normed_output=False``, ``hidden_states`` is only read). The result's ``normed`` is
+            ``normed_output=False``, ``hidden_states`` may hold anything afterwards, e.g. the reduced
+            sum). The result's ``normed`` is
             ``hidden_states`` and its ``residual`` is ``residual``; ``out=`` holds the quantized
             output only. Needs ``inplace=True`` and ``add_residual=True``.
         add_residual: ``False`` for an all-reduce + norm with no residual add (Gemma2/3's norm
