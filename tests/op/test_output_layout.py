@@ -245,3 +245,12 @@ def test_gpu_triton_in_place_under_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(xi, want.normed) and torch.equal(ri, want.residual)
+
+
+def test_the_one_shot_form_takes_the_layout():
+    x, r, w, _ = _inputs(3, None)
+    want = arnorm.fused_allreduce_norm(x.clone(), r.clone(), w, group=arnorm.LOCAL, eps=1e-6)
+    xi, ri = x.clone(), r.clone()
+    got = arnorm.fused_allreduce_norm(xi, ri, w, group=arnorm.LOCAL, eps=1e-6, output_layout="in_place")
+    assert got.normed is xi and got.residual is ri
+    assert torch.equal(xi, want.normed) and torch.equal(ri, want.residual)
