@@ -213,19 +213,26 @@ def test_the_compiled_call_mutates_both_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant", FORMATS)
-@pytest.mark.parametrize("normed", [True, False])
-def test_gpu_triton_in_place_equals_separate(quant, normed):
-    if quant is None and not normed:
-        pytest.skip("an op needs an output")
-    for hidden in (4096, 8192):
-        build = dict(device="cuda", max_tokens=2048, hidden=hidden)
-        with (
-            _op("triton", quant, normed, **build) as op_in,
-            _op("triton", quant, normed, "separate", **build) as op_sep,
-        ):
-            for t in (1, 7, 128, 1024 if hidden == 8192 else 2048):
-                _check_same(op_in, op_sep, t, quant, normed, "cuda", seed=t, hidden=hidden)
+@pytest.mark.parametrize(
+    ("quant", "normed", "hidden", "tokens"),
+    [
+        (None, True, 4096, (1, 7, 128, 2048)),  # T 2048 H 4096: a 16 MiB cell
+        (None, True, 8192, (1, 1024)),  # T 1024 H 8192: the other
+        ("fp8_static", False, 4096, (1, 33)),
+        ("fp8_static", True, 4096, (1, 33)),
+        ("fp8_per_token", False, 4096, (1, 33)),
+        ("nvfp4", True, 4096, (1, 33, 129)),
+        ("mxfp8", False, 4096, (1, 33)),
+    ],
+)
+def test_gpu_triton_in_place_equals_separate(quant, normed, hidden, tokens):
+    build = {"device": "cuda", "max_tokens": max(tokens), "hidden": hidden}
+    with (
+        _op("triton", quant, normed, **build) as op_in,
+        _op("triton", quant, normed, "separate", **build) as op_sep,
+    ):
+        for t in tokens:
+            _check_same(op_in, op_sep, t, quant, normed, "cuda", seed=t, hidden=hidden)
 
 
 @pytest.mark.gpu
