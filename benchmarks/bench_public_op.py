@@ -491,7 +491,7 @@ def graph_section(args: argparse.Namespace, dev: Any, fi: Any, bw: float, report
     has the same outputs."""
     rows, errors, checks = report["graph"], report["errors"], report["checks"]
     P = functools.partial
-    variants = [(f, n) for f in args.formats for n in (True, False) if not (f == "none" and not n)]
+    variants = [(f, n) for f in args.formats for n in args.normed if not (f == "none" and not n)]
     for tokens in (args.small_tokens, args.large_tokens):
         if not tokens:
             continue
@@ -737,7 +737,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", type=_layouts, default=["separate"], help="comma-separated output layouts")
     p.add_argument("--max-sets", type=int, default=MAX_SETS, help="cold: most buffer sets in rotation")
     p.add_argument("--no-pdl-off", action="store_true", help="skip the pdl-off rows")
+    p.add_argument(
+        "--normed", choices=("yes", "no", "both"), default="both",
+        help="quantized formats: graph rows with the normed output, without it, or both",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    args.normed = {"yes": (True,), "no": (False,), "both": (True, False)}[args.normed]
     # Decode sizes (T <= 128) are timed first, and again with programmatic dependent launch off.
     args.small_tokens = [t for t in args.tokens if t <= 128]
     args.large_tokens = [t for t in args.tokens if t > 128]
