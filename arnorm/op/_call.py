@@ -125,6 +125,7 @@ def call(
         token.pop()
     except IndexError:
         raise _busy(state) from None
+    agreed = False  # check mode: a rejection every rank agreed on, in no collective's slot
     try:
         if plan.check_calls:
             if plan.closed:  # a closed op holds no group to agree over
@@ -135,7 +136,8 @@ def call(
             try:
                 agree_call(plan, state.seq, hidden_states, residual, weight, scale, out)
             except InvalidInputError:
-                raise  # the same error on every rank, none of which entered the collective
+                agreed = True  # the same error on every rank, none of which entered the collective
+                raise
             except BaseException as exc:  # a timeout, a peer's note, an interrupt: the ranks may part here
                 call_failed(self, exc)
                 raise
@@ -294,7 +296,7 @@ def call(
     except BaseException as exc:
         if not _retry_in_inference_mode(plan, exc, hidden_states, out):
             now = self._plan  # poisoned or closed meanwhile: nothing to tell the peers
-            if now.poisoned is None and not now.closed:
+            if not agreed and now.poisoned is None and not now.closed:
                 call_rejected(now.comm)  # before its collective: tell the peers (comm._steps)
             raise
     finally:
