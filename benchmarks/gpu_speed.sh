@@ -19,8 +19,10 @@
 # import fails) arnorm is measured all the same. fp8_per_token has no FlashInfer rival at TP 1.
 # $OUT: summary.txt (the GPU, the L2, step times, the T 1024 / 2048 rows of both tables), run.log,
 # and the bench reports in focus/ and table/ (public-op-<date>-<gpu>.md and .json).
-# A dry run of the script's flow on a CPU (no claims; the bench's --smoke shapes):
-#     GPU_SETUP=/dev/null BENCH_FLAGS=--smoke OUT=/tmp/speed bash benchmarks/gpu_speed.sh
+# A dry run of the script's flow on a CPU (no claims; the bench's --smoke shapes; python3 on PATH
+# must have torch and triton, the repository first on PYTHONPATH):
+#     PATH=/work/venv/bin:$PATH PYTHONPATH=$PWD:$PWD/backends/arnorm-example GPU_SETUP=/dev/null \
+#       BENCH_FLAGS=--smoke BUDGET=900 OUT=/tmp/speed bash benchmarks/gpu_speed.sh
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 BUDGET="${BUDGET:-240}"
@@ -64,7 +66,8 @@ bench() {
     --layouts separate,in_place --l2 cold,hot --normed yes --formats none,fp8_per_token \
     --deadline $((budget - 25)) --out "$dir" "$@" ${BENCH_FLAGS:-} \
     >>"$OUT/run.log" 2>&1
-  log "bench $(basename "$dir"): rc $?"
+  local rc=$?
+  log "bench $(basename "$dir"): rc $rc"
   rows "$dir"
 }
 
