@@ -274,10 +274,10 @@ def _norm_call(
     reason = reason or uncallable_reason(hidden_states, residual, op_weight) or unfusable_norm_reason(norm)
     if reason is None:
         arith = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
-        # vLLM's layout (two tensors touched, not three) where the backend that would serve the call
-        # writes it: at TP 1, triton. At TP > 1 the backends fusing the all-reduce into the kernel
-        # (triton_symm, flashinfer) write the separate layout only, and asking for the other would
-        # trade them for NCCL and a kernel.
+        # vLLM's layout (two tensors touched, not three) where every backend that would serve the
+        # call writes it: at TP 1, triton. At TP > 1 triton_symm (and aiter) write the separate
+        # layout only: asking for the other would trade them for NCCL and a kernel wherever
+        # flashinfer (which writes both) is absent or above its budget.
         layout = "in_place" if tp.world_size == 1 else "separate"
         entry = entry_for(tp, hidden_states, arith.rmsnorm(eps), None, None, True, layout)
         op = entry.op
