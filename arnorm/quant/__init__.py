@@ -26,9 +26,9 @@ from arnorm._formats import QUANT_FORMATS as FORMATS
 from arnorm._types import QuantizedActivation
 from arnorm.quant._empty import empty_quantized
 from arnorm.quant._fp8 import dequantize_fp8, quantize_fp8_per_token, quantize_fp8_static
+from arnorm.quant._fp8_group import dequantize_fp8_group, quantize_fp8_group
 from arnorm.quant._inputs import check_format, check_input, check_scale, default_layout
 from arnorm.quant._layout import swizzle_128x4, unswizzle_128x4
-from arnorm.quant._fp8_group import dequantize_fp8_group, quantize_fp8_group
 from arnorm.quant._mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from arnorm.quant._mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from arnorm.quant._nvfp4 import dequantize_nvfp4, quantize_nvfp4

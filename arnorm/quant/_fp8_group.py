@@ -101,7 +101,9 @@ def quantize_fp8_group(
     return codes.view(torch.float8_e4m3fn), to_group_layout(scales, layout)
 
 
-def dequantize_fp8_group(data: torch.Tensor, stored: torch.Tensor, group: int, layout: str | None) -> torch.Tensor:
+def dequantize_fp8_group(
+    data: torch.Tensor, stored: torch.Tensor, group: int, layout: str | None
+) -> torch.Tensor:
     """``fp32(q) * s`` as fp32 ``[T, H]``."""
     rows, hidden = data.shape
     scales = from_group_layout(stored, layout, rows, hidden // group)

@@ -41,17 +41,14 @@ def test_public_names() -> None:
         "swizzle_128x4",
         "unswizzle_128x4",
     ]
-    assert quant.FORMATS == tuple(ALL_FORMATS.split(", "))
+    assert tuple(ALL_FORMATS.split(", ")) == quant.FORMATS
     assert quant.LAYOUTS == ("linear", "swizzled_128x4", "column_major", "column_major_tma", "packed_ue8m0")
 
 
 def test_default_layout() -> None:
     """nvfp4 defaults to swizzled_128x4, mxfp8 to linear, the fp8 formats to None."""
     assert [default_layout(f) for f in quant.FORMATS] == [None, None, "swizzled_128x4", *["linear"] * 6]
-    assert (
-        _message(default_layout, "fp4")
-        == "quant: 'fp4' (needs one of " + ALL_FORMATS + ")"
-    )
+    assert _message(default_layout, "fp4") == "quant: 'fp4' (needs one of " + ALL_FORMATS + ")"
 
 
 def test_check_format_resolves_layouts() -> None:
@@ -75,7 +72,10 @@ def test_check_format_resolves_layouts() -> None:
         (("fp8_static", None, 64.0), "hidden_size: 64.0 (needs a positive int)"),
         (("fp8_static", None, True), "hidden_size: True (needs a positive int)"),
         (("nvfp4", "x", 4096), "layout: 'x' (needs swizzled_128x4 or linear for nvfp4)"),
-        (("mxfp8", "swizzled_8x4", 4096), "layout: 'swizzled_8x4' (needs linear or swizzled_128x4 for mxfp8)"),
+        (
+            ("mxfp8", "swizzled_8x4", 4096),
+            "layout: 'swizzled_8x4' (needs linear or swizzled_128x4 for mxfp8)",
+        ),
         (
             ("fp8_static", "linear", 4096),
             "layout: 'linear' (needs None for fp8_static, which has no block scales)",
@@ -151,7 +151,11 @@ def test_check_scale_messages(fmt: str, scale: object, message: str) -> None:
         (torch.ones(64), {}, "y: shape [64] (needs 2-D [T, H])"),
         (torch.ones(2, 2, 64), {}, "y: shape [2, 2, 64] (needs 2-D [T, H])"),
         (torch.ones(2, 48), {"layout": "linear"}, "hidden_size: 48 (needs a multiple of 32 for mxfp8)"),
-        (torch.ones(2, 64), {"layout": "tiled"}, "layout: 'tiled' (needs linear or swizzled_128x4 for mxfp8)"),
+        (
+            torch.ones(2, 64),
+            {"layout": "tiled"},
+            "layout: 'tiled' (needs linear or swizzled_128x4 for mxfp8)",
+        ),
         (
             torch.ones(2, 64),
             {"scale": torch.ones(1)},
@@ -167,9 +171,7 @@ def test_quantize_validates_before_computing(y: object, kwargs: dict, message: s
 def test_quantize_format_and_scale_messages() -> None:
     """quantize reports an unknown format and a missing scale like check_format and check_scale."""
     y = torch.ones(2, 64)
-    assert (
-        _message(quantize, y, "fp4") == "quant: 'fp4' (needs one of " + ALL_FORMATS + ")"
-    )
+    assert _message(quantize, y, "fp4") == "quant: 'fp4' (needs one of " + ALL_FORMATS + ")"
     assert _message(quantize, y, "nvfp4") == "scale: missing (needs an fp32 tensor of shape [1] for nvfp4)"
     assert _message(quantize, y, "fp8_static", layout="linear") == (
         "layout: 'linear' (needs None for fp8_static, which has no block scales)"
