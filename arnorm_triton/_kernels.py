@@ -449,6 +449,7 @@ def norm_quant_apply(
         q = e4m3_bits(yb * ue8m0_to_inv_scale(e)[:, None, None], SOFT_FP8)
         tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
         _store_block_scales(sf_ptr, e, row64, blk, HIDDEN // GROUP, SWIZZLED)
+    # Not `QUANT in (...)` below: the interpreter runs it, the compiler refuses it.
     elif (
         QUANT == _FP8_GROUP
         or QUANT == _FP8_GROUP_64
@@ -458,7 +459,7 @@ def norm_quant_apply(
         yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])
         gs = tl.div_rn(tl.maximum(abs_max(abs_max(yb, 2), 1), _GROUP_EPS, propagate_nan=tl.PropagateNan.ALL),
                        E4M3_MAX)  # fmt: skip
-        if QUANT == _FP8_GROUP_UE8M0 or QUANT == _FP8_GROUP_64_UE8M0:
+        if QUANT == _FP8_GROUP_UE8M0 or QUANT == _FP8_GROUP_64_UE8M0:  # noqa: SIM109
             gs = _pow2_round_up(gs)
         q = e4m3_bits(tl.div_rn(yb, gs[:, None, None]), SOFT_FP8, False)
         tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
