@@ -450,12 +450,9 @@ def norm_quant_apply(
         tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
         _store_block_scales(sf_ptr, e, row64, blk, HIDDEN // GROUP, SWIZZLED)
     # Not `QUANT in (...)` below: the interpreter runs it, the compiler refuses it.
-    elif (
-        QUANT == _FP8_GROUP
-        or QUANT == _FP8_GROUP_64
-        or QUANT == _FP8_GROUP_UE8M0
-        or QUANT == _FP8_GROUP_64_UE8M0
-    ):  # s = max(amax_g, 1e-10) / 448 (UE8M0: rounded up to a power of two), q = e4m3(y / s)
+    elif (QUANT == _FP8_GROUP or QUANT == _FP8_GROUP_64
+          or QUANT == _FP8_GROUP_UE8M0 or QUANT == _FP8_GROUP_64_UE8M0):  # noqa: SIM109  # fmt: skip
+        # s = max(amax_g, 1e-10) / 448 (UE8M0: rounded up to a power of two), q = e4m3(y / s)
         yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])
         gs = tl.div_rn(tl.maximum(abs_max(abs_max(yb, 2), 1), _GROUP_EPS, propagate_nan=tl.PropagateNan.ALL),
                        E4M3_MAX)  # fmt: skip
