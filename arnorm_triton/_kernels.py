@@ -89,6 +89,10 @@ _FP8_GROUP_64 = tl.constexpr(QUANT_CODES["fp8_per_group_64"])
 _FP8_GROUP_UE8M0 = tl.constexpr(QUANT_CODES["fp8_per_group_ue8m0"])
 _FP8_GROUP_64_UE8M0 = tl.constexpr(QUANT_CODES["fp8_per_group_64_ue8m0"])
 _MXFP4 = tl.constexpr(QUANT_CODES["mxfp4"])
+# The quantizer takes the per-group fp8 formats as one range of codes, the UE8M0 ones last.
+assert list(
+    range(_FP8_GROUP, _FP8_GROUP + 4)
+) == [_FP8_GROUP, _FP8_GROUP_64, _FP8_GROUP_UE8M0, _FP8_GROUP_64_UE8M0]
 #: SCALE_LAYOUT: how the per-group fp8 formats store their fp32 scales (0 for every other format,
 #: whose layout SWIZZLED says). The codes are this module's own, never stored anywhere.
 SCALE_LAYOUT_CODES: dict[str | None, int] = {
@@ -449,14 +453,12 @@ def norm_quant_apply(
         q = e4m3_bits(yb * ue8m0_to_inv_scale(e)[:, None, None], SOFT_FP8)
         tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
         _store_block_scales(sf_ptr, e, row64, blk, HIDDEN // GROUP, SWIZZLED)
-    # Not `QUANT in (...)` below: the interpreter runs it, the compiler refuses it.
-    elif (QUANT == _FP8_GROUP or QUANT == _FP8_GROUP_64
-          or QUANT == _FP8_GROUP_UE8M0 or QUANT == _FP8_GROUP_64_UE8M0):  # noqa: SIM109  # fmt: skip
+    elif QUANT >= _FP8_GROUP and QUANT <= _FP8_GROUP_64_UE8M0:  # the per-group fp8 formats
         # s = max(amax_g, 1e-10) / 448 (UE8M0: rounded up to a power of two), q = e4m3(y / s)
         yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])
         gs = tl.div_rn(tl.maximum(abs_max(abs_max(yb, 2), 1), _GROUP_EPS, propagate_nan=tl.PropagateNan.ALL),
                        E4M3_MAX)  # fmt: skip
-        if QUANT == _FP8_GROUP_UE8M0 or QUANT == _FP8_GROUP_64_UE8M0:  # noqa: SIM109
+        if QUANT >= _FP8_GROUP_UE8M0:
             gs = _pow2_round_up(gs)
         q = e4m3_bits(tl.div_rn(yb, gs[:, None, None]), SOFT_FP8, False)
         tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
