@@ -2,14 +2,18 @@
 
 Per group of ``g`` consecutive elements of a row (``g`` = 128 or 64, the format's block size):
 
-1. ``amax = max |y|`` (exact in fp32; NaN if the group holds one);
-2. ``s = max(amax, fp32(1e-10)) / 448``: one IEEE fp32 division, so an all-zero group gets the
-   floor ``fp32(1e-10) / 448`` and never a zero or NaN scale;
+1. ``amax = max |y|`` over the group's values that are not NaN (exact in fp32; 0 if all are NaN);
+2. ``s = fp32(max(amax, fp32(1e-10)) * fp32(1/448))``: one fp32 product, so an all-zero group gets
+   the floor ``fp32(1e-10) * fp32(1/448)`` and never a zero or NaN scale; an infinite amax gives
+   ``s = inf``;
 3. UE8M0 formats (``pow2_scales``): ``s`` rounded *up* to a power of two, exactly (a power of two
-   stays; ``inf`` and NaN stay);
-4. ``q = satfinite_rn(fp32(y) / s)``: one IEEE fp32 division per element, saturating to +-448.
+   stays; ``inf`` stays);
+4. ``q = satfinite_rn(fp32(y) / s)``: one IEEE fp32 division per element, saturating to +-448; a
+   NaN quotient (a NaN element, or an infinite one over ``s = inf``) gives -448 (``0xFE``).
 
-These are vLLM's ``per_token_group_quant_fp8(x, g, eps=1e-10, use_ue8m0=)`` steps.
+These are the steps of vLLM's ``per_token_group_quant_fp8(x, g, eps=1e-10, use_ue8m0=)``: its
+maximum and its clamp (``fmaxf``/``fminf`` in CUDA, ``nanmax``/``fmax``/``fmin`` in Triton's
+interpreter) drop NaN, which is where step 1's rule and step 4's -448 come from.
 Decoding is ``fp32(q) * s`` (one fp32 rounding per element).
 
 The scales' layouts (``arnorm/_formats.py`` describes them) are storage only: the values are
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from arnorm.quant._codecs import E4M3_MAX, e4m3_decode, e4m3_encode, e8m0_decode, f32_from_bits
+from arnorm.quant._codecs import F32_RCP_448, e4m3_decode, e4m3_encode, e8m0_decode, f32_from_bits
 
-__all__ = ["EPS", "dequantize_fp8_group", "pow2_round_up", "quantize_fp8_group", "group_scales"]
+__all__ = ["EPS", "NAN_CODE", "dequantize_fp8_group", "pow2_round_up", "quantize_fp8_group", "group_scales"]
 
 #: fp32(1e-10): the floor of a group's amax (vLLM's ``eps``), 0x2EDBE6FF.
 EPS = f32_from_bits(0x2EDBE6FF)
+#: The code of a NaN quotient: -448, where vLLM's NaN-dropping clamp puts it.
+NAN_CODE = 0xFE
 
 _EXP_MASK = 0x7F800000
 _MAN_MASK = 0x007FFFFF
@@ -46,10 +52,9 @@ def pow2_round_up(s: torch.Tensor) -> torch.Tensor:
 def group_scales(y32: torch.Tensor, group: int, pow2: bool) -> torch.Tensor:
     """The fp32 scales ``[T, H / group]`` of fp32 ``y32`` (steps 1-3)."""
     rows, hidden = y32.shape
-    amax = y32.reshape(rows, hidden // group, group).abs().amax(dim=-1)
-    # A tensor divisor: torch on CUDA turns division by a Python scalar into a multiply by its
-    # rounded reciprocal, which is not the correctly rounded quotient the format defines.
-    scale = amax.clamp_min(EPS) / torch.full_like(amax, E4M3_MAX)
+    a = y32.reshape(rows, hidden // group, group).abs()
+    amax = torch.where(torch.isnan(a), 0.0, a).amax(dim=-1)
+    scale = amax.clamp_min(EPS) * F32_RCP_448
     return pow2_round_up(scale) if pow2 else scale
 
 
@@ -97,7 +102,8 @@ def quantize_fp8_group(
     y32 = y.float()
     scales = group_scales(y32, group, pow2)
     blocks = y32.reshape(rows, hidden // group, group)
-    codes = e4m3_encode((blocks / scales.unsqueeze(-1)).reshape(rows, hidden))
+    quotient = (blocks / scales.unsqueeze(-1)).reshape(rows, hidden)
+    codes = torch.where(torch.isnan(quotient), NAN_CODE, e4m3_encode(quotient))
     return codes.view(torch.float8_e4m3fn), to_group_layout(scales, layout)
 
 
