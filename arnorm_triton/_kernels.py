@@ -90,9 +90,12 @@ _FP8_GROUP_UE8M0 = tl.constexpr(QUANT_CODES["fp8_per_group_ue8m0"])
 _FP8_GROUP_64_UE8M0 = tl.constexpr(QUANT_CODES["fp8_per_group_64_ue8m0"])
 _MXFP4 = tl.constexpr(QUANT_CODES["mxfp4"])
 # The quantizer takes the per-group fp8 formats as one range of codes, the UE8M0 ones last.
-assert list(
-    range(_FP8_GROUP, _FP8_GROUP + 4)
-) == [_FP8_GROUP, _FP8_GROUP_64, _FP8_GROUP_UE8M0, _FP8_GROUP_64_UE8M0]
+assert list(range(_FP8_GROUP, _FP8_GROUP + 4)) == [
+    _FP8_GROUP,
+    _FP8_GROUP_64,
+    _FP8_GROUP_UE8M0,
+    _FP8_GROUP_64_UE8M0,
+]
 #: SCALE_LAYOUT: how the per-group fp8 formats store their fp32 scales (0 for every other format,
 #: whose layout SWIZZLED says). The codes are this module's own, never stored anywhere.
 SCALE_LAYOUT_CODES: dict[str | None, int] = {
@@ -139,6 +142,9 @@ _INV_E4M3_MAX = tl.constexpr(_f32(0x3B124925))
 _MIN_TOKEN_SCALE = tl.constexpr(_f32(0x36924925))
 #: fp32(1e-10): the per-group fp8 formats' floor of a group's amax (arnorm.quant's EPS).
 _GROUP_EPS = tl.constexpr(_f32(0x2EDBE6FF))
+#: The per-group fp8 formats' code of a NaN quotient (-448) and mxfp4's of a NaN element (6).
+_GROUP_NAN_CODE = tl.constexpr(0xFE)
+_MXFP4_NAN_CODE = tl.constexpr(0x7)
 #: nvfp4: below this |global scale| the encode scale gs / SF (SF >= 2**-9 or 0) is finite.
 _NVFP4_FAST_SCALE = tl.constexpr(float(2**118))
 
@@ -235,21 +241,26 @@ def _store_group_scales(sf_ptr, vals, row, blk, n_rows, K: tl.constexpr, SCALE_L
 
 
 @triton.jit
+def _nan_free_abs_max(yb):
+    """The bits (int32) of ``max |x|`` over each block of ``yb`` ``[NB, S, VEC]`` with NaN left out;
+    -1 where every value is NaN. Integer maxima of the bit patterns, as :func:`abs_max`'s (the
+    non-negative floats order as their bits do), the same on a GPU and in the interpreter."""
+    bits = yb.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bits = tl.where(bits > 0x7F800000, -1, bits)
+    return tl.max(tl.max(bits, 2), 1)
+
+
+@triton.jit
 def _mxfp4_codes(yb):
-    """``(packed bytes [NB, GROUP // 2], scale bytes [NB])`` of mxfp4 for fp32 blocks ``yb``
-    ``[NB, GROUP // VEC, VEC]`` (``arnorm/quant/_mxfp4.py`` defines each step)."""
-    amax = abs_max(abs_max(yb, 2), 1)
-    r = (amax.to(tl.int32, bitcast=True) + 0x200000) & -8388608  # & 0xFF800000
-    exp = (r >> 23) & 0xFF
+    """``(codes [NB, GROUP // VEC, VEC] as int32, scale bytes [NB])`` of mxfp4 for fp32 blocks ``yb``
+    (``arnorm/quant/_mxfp4.py`` defines each step)."""
+    amax = _nan_free_abs_max(yb)
+    amax = tl.where(amax < 0, 0x7FC00000, amax)  # every value NaN: the maximum is NaN
+    exp = ((amax + 0x200000) & 0x7F800000) >> 23  # a NaN's carry past the exponent leaves 0
     u = tl.where(exp == 0xFF, 127, tl.maximum(exp - 129, -127))
-    u = tl.where((r < 0) | (exp == 0), -127, u)
     mult = tl.where(u == 127, 0x400000, (127 - u) << 23).to(tl.float32, bitcast=True)
     v = yb * mult[:, None, None]
-    code = e2m1_code(v).to(tl.int32)
-    vb = v.to(tl.int32, bitcast=True)
-    a = vb & 0x7FFFFFFF
-    nan_code = (((a - 0x3F000000 + 0x1FFFFF + ((a >> 22) & 1)) >> 22) & 0xFF) | ((vb >> 28) & 0x8)
-    code = tl.where(v != v, nan_code, code)
+    code = tl.where(v != v, _MXFP4_NAN_CODE, e2m1_code(v).to(tl.int32))
     return code, (u + 127).to(tl.uint8)
 
 
@@ -454,13 +465,14 @@ def norm_quant_apply(
         tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
         _store_block_scales(sf_ptr, e, row64, blk, HIDDEN // GROUP, SWIZZLED)
     elif QUANT >= _FP8_GROUP and QUANT <= _FP8_GROUP_64_UE8M0:  # the per-group fp8 formats
-        # s = max(amax_g, 1e-10) / 448 (UE8M0: rounded up to a power of two), q = e4m3(y / s)
+        # s = max(amax_g, 1e-10) * fp32(1/448) (UE8M0: rounded up to a power of two), q = e4m3(y / s)
         yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])
-        gs = tl.div_rn(tl.maximum(abs_max(abs_max(yb, 2), 1), _GROUP_EPS, propagate_nan=tl.PropagateNan.ALL),
-                       E4M3_MAX)  # fmt: skip
+        amax = tl.maximum(_nan_free_abs_max(yb), 0).to(tl.float32, bitcast=True)  # every value NaN: 0
+        gs = tl.maximum(amax, _GROUP_EPS) * _INV_E4M3_MAX
         if QUANT >= _FP8_GROUP_UE8M0:
             gs = _pow2_round_up(gs)
-        q = e4m3_bits(tl.div_rn(yb, gs[:, None, None]), SOFT_FP8, False)
+        quotient = tl.div_rn(yb, gs[:, None, None])
+        q = tl.where(quotient != quotient, _GROUP_NAN_CODE, e4m3_bits(quotient, SOFT_FP8, False))
         tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
         _store_group_scales(sf_ptr, gs, row64, blk, n_rows, HIDDEN // GROUP, SCALE_LAYOUT)
     elif QUANT == _MXFP4:  # u from amax32 rounded at its second mantissa bit, q = e2m1(y * 2**-u)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import arnorm
 from arnorm import quant
-from arnorm.quant._codecs import e4m3_encode, f32_from_bits
+from arnorm.quant._codecs import F32_RCP_448, e4m3_encode
 from arnorm.quant._fp8_group import EPS, from_group_layout, pow2_round_up
 
 GROUP_FORMATS = [n for n, s in quant.FORMAT_SPECS.items() if s.block_size and s.scale_dtype == "float32"]
@@ -45,11 +45,11 @@ def test_a_group_of_max_448_has_scale_one_and_its_own_codes():
 
 
 def test_hand_checked_scale_and_codes():
-    # amax 3 -> s = fp32(3 / 448); 1.5 / s = 224 exactly representable -> e4m3 224.
+    # amax 3 -> s = fp32(3 * fp32(1/448)); 3 / s and 1.5 / s round to 448 and 224.
     y = torch.zeros(1, 64)
     y[0, 0], y[0, 1] = 3.0, 1.5
     q = quant.quantize(y, "fp8_per_group_64")
-    assert q.scale.item() == torch.tensor(3.0).div(torch.tensor(448.0)).item()
+    assert q.scale.item() == (torch.tensor(3.0) * F32_RCP_448).item()
     assert q.data.float()[0, :2].tolist() == [448.0, 224.0]
     # UE8M0: 3 / 448 = 0.0066964... rounds up to 2**-7 = 0.0078125; 3 / 2**-7 = 384, 1.5 -> 192.
     q = quant.quantize(y, "fp8_per_group_64_ue8m0")
@@ -63,7 +63,7 @@ def test_a_zero_group_gets_the_floor_and_zero_codes(fmt):
     y = torch.zeros(2, 2 * spec.block_size, dtype=torch.bfloat16)
     y[1, spec.block_size :] = -0.0
     q = quant.quantize(y, fmt)
-    floor = torch.tensor(EPS) / torch.tensor(448.0)
+    floor = torch.tensor(EPS) * F32_RCP_448
     expect = pow2_round_up(floor) if spec.pow2_scales else floor
     assert torch.equal(bits(q.scale), bits(expect.expand(2, 2)))
     assert not torch.isnan(q.scale).any()
@@ -72,9 +72,7 @@ def test_a_zero_group_gets_the_floor_and_zero_codes(fmt):
         and q.data.view(torch.uint8)[1, spec.block_size :].eq(0x80).all()
     )
     if not spec.pow2_scales:
-        assert q.scale[0, 0].item() == f32_from_bits(0x2EDBE6FF) / 448 or math.isclose(
-            q.scale[0, 0].item(), 1e-10 / 448, rel_tol=1e-6
-        )
+        assert math.isclose(q.scale[0, 0].item(), 1e-10 / 448, rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("fmt", GROUP_FORMATS)
@@ -84,12 +82,17 @@ def test_inf_and_nan_inputs(fmt):
     y[0, 0] = float("inf")
     y[1, 1] = float("nan")
     y[2, 2] = -1e30  # saturation: the scale follows the amax, nothing above 448
+    y = torch.cat([y, torch.full((1, g), float("nan"))])
     q = quant.quantize(y, fmt)
     codes = q.data.view(torch.uint8)
-    # inf: the scale is inf, finite values divide to zero, inf / inf is NaN (0x7F).
-    assert q.scale[0].item() == math.inf and codes[0, 0] == 0x7F and codes[0, 1:].eq(0).all()
-    # NaN: the group's amax is NaN, so is its scale and every code.
-    assert math.isnan(q.scale[1].item()) and codes[1].eq(0x7F).all()
+    # inf: the scale is inf, finite values divide to zero, inf / inf is a NaN quotient: -448.
+    assert q.scale[0].item() == math.inf and codes[0, 0] == 0xFE and codes[0, 1:].eq(0).all()
+    # NaN: left out of the maximum (the others' scale); its own code is -448.
+    assert q.scale[1].item() == quant.quantize(torch.ones(1, g), fmt).scale.item()
+    assert codes[1, 1] == 0xFE and codes[1, 0] == codes[1, 2] != 0xFE
+    # Every value NaN: the zero group's floor, every code -448.
+    assert q.scale[3].item() == quant.quantize(torch.zeros(1, g), fmt).scale.item()
+    assert codes[3].eq(0xFE).all()
     top = q.data.float()[2].abs().max().item()
     assert top == 448.0 if not quant.FORMAT_SPECS[fmt].pow2_scales else 256 < top <= 448
 
