@@ -68,7 +68,9 @@ def to_group_layout(scales: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "linear":
         return scales
     if layout == "column_major":
-        return scales.t().contiguous()
+        # A fresh tensor, not .contiguous(): at T = 1 the transpose counts as contiguous and keeps a
+        # last stride of C, which byte views of it refuse.
+        return scales.new_empty((cols, rows)).copy_(scales.t())
     padded_rows = -(-rows // 4) * 4
     if layout == "column_major_tma":
         out = scales.new_zeros((cols, padded_rows))

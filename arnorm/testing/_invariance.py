@@ -5,7 +5,7 @@ An op is built strictly on the backend with ``Config(batch_invariant=True)`` ove
 every size asked for, at a different offset into the pool each time (a row lands at different
 positions among different neighbours); every output of every row must be bitwise the row's alone:
 the residual, the normed output, the codes and the scales that belong to the row (fp8_per_token's
-per-token scale, nvfp4's and mxfp8's block scales, read back in row order from either layout).
+per-token scale, the block scales of every block format, read back in row order from any layout).
 fp8_static's scale and nvfp4's global scale are inputs, the same for every call: nothing to compare.
 
 The partials are random values of the dtype (not the exactly summable grid of the contract check):
@@ -66,7 +66,11 @@ def _row_outputs(out: Any, case: Case) -> dict[str, Any]:
     if q is not None:
         rows["codes"] = q.data.view(torch.uint8).reshape(t, -1)
         spec = FORMAT_SPECS[q.format]
-        if spec.block_size:
+        if spec.block_size and spec.scale_dtype == "float32":  # per-group fp8: fp32 scales, own layouts
+            from arnorm.quant._fp8_group import from_group_layout
+
+            rows["scales"] = from_group_layout(q.scale, q.layout, t, case.hidden // spec.block_size)
+        elif spec.block_size:
             k = case.hidden // spec.block_size
             rows["scales"] = from_layout(q.scale.view(torch.uint8), q.layout, t, k)
         elif spec.scale_dtype is not None:  # one computed scale per row
