@@ -162,3 +162,53 @@ def test_mxfp4_every_e2m1_boundary_matches_vllm():
     ours = quant.quantize(x, "mxfp4")
     assert torch.equal(_bits(s), _bits(ours.scale))
     assert torch.equal(_bits(q), _bits(ours.data))
+
+
+def test_vllms_keys_name_the_formats():
+    from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+
+    from arnorm.integrations._vllm_keys import format_of_key
+
+    assert format_of_key(qu.kFp8Dynamic128Sym) == "fp8_per_group"
+    assert format_of_key(qu.kFp8Dynamic64Sym) == "fp8_per_group_64"
+    assert format_of_key(qu.kMxfp4Dynamic) == "mxfp4"
+
+
+@pytest.mark.parametrize("key_name", ["kFp8Dynamic128Sym", "kFp8Dynamic64Sym", "kMxfp4Dynamic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_drop_in_matches_vllms_own_chain_at_tp1(key_name, dtype):
+    """arnorm's quant entry point against vLLM's GemmaRMSNorm (forward_native) then vLLM's quantizer,
+    the chain a block-FP8 (or MX) model runs: codes and row-major scales bit for bit, and vLLM's own
+    QuantizedActivation back."""
+    from vllm.model_executor.layers.fusion.quant_activation import QuantizedActivation
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+    from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+    from vllm.model_executor.layers.quantization.utils.mxfp4_utils import mxfp4_quantize
+
+    import arnorm
+    from arnorm.integrations import vllm as av
+
+    hidden, eps = 512, 1e-6
+    g = torch.Generator().manual_seed(3)
+    x, residual = ((torch.randn(7, hidden, generator=g) * 2).to(dtype) for _ in range(2))
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        norm = GemmaRMSNorm(hidden, eps=eps).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_((torch.randn(hidden, generator=g) * 0.2).to(dtype))
+    want_y, want_h = norm.forward_native(x.clone(), residual.clone())
+    if key_name == "kMxfp4Dynamic":
+        want_q, want_s = mxfp4_quantize(want_y)
+    else:
+        group = 128 if key_name == "kFp8Dynamic128Sym" else 64
+        want_q, want_s = per_token_group_quant_fp8(want_y, group, use_ue8m0=False)
+    av.configure(group=arnorm.LOCAL, max_tokens=16)
+    key = getattr(qu, key_name)
+    got = av.fused_allreduce_gemma_rms_norm_quant(x.clone(), residual.clone(), norm.weight, eps, None, key)
+    assert got is not None
+    q, normed, new_residual = got
+    assert isinstance(q, QuantizedActivation) and q.quant_key is key
+    assert torch.equal(_bits(new_residual), _bits(want_h)) and torch.equal(_bits(normed), _bits(want_y))
+    assert torch.equal(_bits(q.data), _bits(want_q)) and torch.equal(_bits(q.scale), _bits(want_s))
