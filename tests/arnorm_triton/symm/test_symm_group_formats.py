@@ -41,7 +41,7 @@ def test_every_group_layout_at_two_ranks(quant, layout):
         ("fp8_per_group_ue8m0", "packed_ue8m0"),
         ("fp8_per_group_64", "column_major_tma"),
         ("mxfp4", "swizzled_128x4"),
-    ],  # fmt: skip
+    ],
 )
 def test_four_ranks_every_protocol(quant, layout, kind):
     _run(quant, layout, 4, kind, t=6)
