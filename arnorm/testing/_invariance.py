@@ -169,7 +169,8 @@ def run_invariance(rank: int, world: int, backend: str, cases: list[Case], sizes
 
 
 def invariance_cases(caps: Any, hidden: int) -> list[Case]:
-    """One case per declared format and layout, for the first declared dtype, at ``hidden`` (raised to
+    """One case per declared format at its default layout and one per other declared layout (at the
+    first format that has it), for the first declared dtype, at ``hidden`` (raised to
     the hidden size the backend admits for the format); the norms rotate through plain and Gemma,
     with ``add_residual=False`` (the third case) and each declared norm option (the ``k``-th in
     the table's order alone in case ``2k + 1``) once each where declared."""
@@ -178,6 +179,7 @@ def invariance_cases(caps: Any, hidden: int) -> list[Case]:
     dtype = sorted(caps.dtypes)[0]
     declared = [n for n in NORM_OPTIONS if n in caps.norm_options]
     out: list[Case] = []
+    seen_layouts: set[str] = set()
     for quant in sorted(caps.quant):
         q = None if quant == "none" else quant
         if quant in caps.quant_dtypes and dtype not in caps.quant_dtypes[quant]:
@@ -189,6 +191,11 @@ def invariance_cases(caps: Any, hidden: int) -> list[Case]:
         for layout in layouts or (None,):
             if layout is not None and layout not in caps.scale_layouts:
                 continue
+            # A layout is where the scales go, not how a row's values are made: each format at its
+            # default layout, and each other layout once, at the first format that has it.
+            if layout is not None and layout != layouts[0] and layout in seen_layouts:
+                continue
+            seen_layouts.add(layout or "")
             i = len(out)
             offsets = sorted(caps.weight_offsets) if caps.weight_offsets is not None else [0.0, 1.0]
             case = Case(1, h, dtype, q, layout, float(offsets[i % len(offsets)]))
