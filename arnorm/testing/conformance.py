@@ -9,8 +9,9 @@ Subclass it in a backend's own tests and name the backend; pytest collects the m
         world_sizes = (1, 2, 4)
 
 It needs pytest (``pip install 'arnorm[test]'``). For every dtype, format and norm the backend
-*declares* (every declared scale layout at the first dtype, a format's first layout at the others), at several shapes (odd token counts included), on each of ``world_sizes``
-ranks (gloo on CPU; CUDA tensors over gloo or NCCL on GPUs), it checks the numerics contract
+*declares* (every declared scale layout at the first dtype, a format's first layout at the others),
+at several shapes (odd token counts included), on each of ``world_sizes`` ranks (gloo on CPU; CUDA
+tensors over gloo or NCCL on GPUs), it checks the numerics contract
 (docs/numerics.md): the residual bit for bit (inputs are chosen so every correct reduction order
 gives the same sum), the normed output within ``normed_ulps``, the quantized output equal to
 ``arnorm.quant`` applied to the backend's own normed output (``quant_mismatch`` allows a fraction
