@@ -5,6 +5,7 @@ codes in ``tests/vllm_lane/test_lane_group_formats.py``."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -236,3 +237,21 @@ def test_the_op_returns_the_codec_bit_for_bit(fmt):
             and empty.quant.scale.dtype == out.quant.scale.dtype
         )
         op.close()
+
+
+def test_explain_says_why_each_backend_serves_the_formats_or_not():
+    """A backend that does not declare a format is told so in the one grammar; triton serves it."""
+    for fmt in ("fp8_per_group", "mxfp4"):
+        op = arnorm.AllReduceNorm(
+            arnorm.LOCAL,
+            hidden_size=256,
+            dtype=torch.bfloat16,
+            norm=arnorm.RMSNorm(1e-6),
+            quant=fmt,
+            max_tokens=4,
+        )
+        text = str(op.explain())
+        op.close()
+        if "example" in {b.name for b in arnorm.backends()}:  # the example plugin declares fp8 only
+            assert f"quant: {fmt} (needs fp8_per_token, fp8_static or none)" in text
+        assert re.search(r"^triton\s+100\s+selected", text, re.M)
