@@ -50,7 +50,7 @@ from arnorm.registry._capabilities import Capabilities
 from arnorm.registry._discovery import BackendInfo
 from arnorm.registry._explain import STATUSES, Explanation, Verdict
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "LOCAL",

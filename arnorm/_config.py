@@ -10,7 +10,7 @@ the variables; :mod:`arnorm.registry._load` reads settings against the registere
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
@@ -88,14 +88,15 @@ class Config(BaseSettings):
     ``peer_timeout``     ``ARNORM_PEER_TIMEOUT``     seconds construction and a CPU (gloo) call wait
                                                      for the other ranks before raising
                                                      :class:`arnorm.PeerError` (600; at least 1)
-    ``accelerate``       ``ARNORM_ACCELERATE``       test valid calls in arnorm's C helper, built
-                                                     once with Python's C compiler (on)
     ``batch_invariant``  ``ARNORM_BATCH_INVARIANT``  a row's outputs bitwise independent of the token
                                                      count and of the path serving it: only backends
                                                      declaring it are selected (off)
     ``vllm``             ``ARNORM_VLLM``             arnorm's vLLM plugin routes vLLM's fused
                                                      all-reduce + norm helpers to arnorm in every
                                                      vLLM process (on; ``0``: vLLM's own helpers)
+    ``vllm_pass``        ``ARNORM_VLLM_PASS``        arnorm's fusion pass in vLLM's compile
+                                                     pipeline: ``after`` vLLM's FlashInfer pass
+                                                     (default), ``take`` (vLLM's off), or ``off``
     ``settings``         (code only)                 per-backend settings overrides,
                                                      ``{"triton": {"exact": True}}``
     ===================  ==========================  ================================================
@@ -134,13 +135,6 @@ class Config(BaseSettings):
         "enough for a first-use JIT build on a peer (FlashInfer's takes ~6 minutes on a fresh machine), "
         "far below the process group's 30 minutes.",
     )
-    accelerate: bool = Field(
-        default=True,
-        description="Make the valid-call test of a backend's fast path in arnorm's C helper "
-        "(arnorm/op/_accel.c, compiled once per interpreter into ~/.cache/arnorm); the Python test "
-        "runs where it declines, is off or cannot be built. A speed-up only: results and errors "
-        "are the same.",
-    )
     batch_invariant: bool = Field(
         default=False,
         description="Select only backends that declare Capabilities.batch_invariant, for every token "
@@ -153,6 +147,13 @@ class Config(BaseSettings):
         description="Where arnorm is installed in a vLLM environment, its vllm.general_plugins entry point "
         "routes vLLM's fused all-reduce + norm helpers to arnorm.integrations.vllm in every vLLM process; "
         "False (ARNORM_VLLM=0) leaves vLLM's own helpers in place (docs/integrations.md).",
+    )
+    vllm_pass: Literal["after", "take", "off"] = Field(
+        default="after",
+        description="With the vLLM plugin on, arnorm's all-reduce + norm fusion pass in vLLM's compile "
+        "pipeline: 'after' runs it after vLLM's own passes and fuses the seams vLLM's FlashInfer pass "
+        "leaves; 'take' also turns vLLM's fuse_allreduce_rms off so that arnorm serves every seam; "
+        "'off' installs no pass (docs/integrations.md).",
     )
     settings: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Per-backend settings set in code: {backend: {field: value}}."

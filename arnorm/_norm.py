@@ -23,12 +23,12 @@ It imports nothing (``Problem`` reads it, and the errors module sits above the p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, Protocol, get_args
+from typing import Literal, get_args
 
-__all__ = ["NORM_OPTIONS", "FirstOptionsAsAttributes", "NormOption", "NormOptionName", "with_option_keywords"]
+__all__ = ["NORM_OPTIONS", "NormOption", "NormOptionName"]
 
 #: The norm options, in the order the docs list them: the names of ``RMSNorm``'s bool fields.
 NormOptionName = Literal["round_before_weight", "normalize_unrounded"]
@@ -88,33 +88,3 @@ _OPTIONS = (
 #: Every norm option by name, in the order the docs list them.
 NORM_OPTIONS: Mapping[NormOptionName, NormOption] = MappingProxyType({o.name: o for o in _OPTIONS})
 assert tuple(NORM_OPTIONS) == get_args(NormOptionName), "the option table and NormOptionName must agree"
-
-
-def with_option_keywords(names: Iterable[str], keywords: Mapping[str, object]) -> frozenset[str]:
-    """``names`` after round 3's keywords, one bool per option (``Problem(round_before_weight=True)``,
-    ``Capabilities(normalize_unrounded=True)``): True adds the option, False removes it."""
-    on = set(names)
-    for name, value in keywords.items():
-        (on.add if value else on.discard)(name)
-    return frozenset(on)
-
-
-class _HasNormOptions(Protocol):
-    @property
-    def norm_options(self) -> frozenset[str]: ...
-
-
-class FirstOptionsAsAttributes:
-    """``round_before_weight`` and ``normalize_unrounded`` as attributes of ``Problem`` and
-    ``Capabilities``, each True when ``norm_options`` names it: round 3 spelt the two options as
-    fields of both, and plugins read them. An option added later gets none (read ``norm_options``)."""
-
-    __slots__ = ()
-
-    @property
-    def round_before_weight(self: _HasNormOptions) -> bool:
-        return "round_before_weight" in self.norm_options
-
-    @property
-    def normalize_unrounded(self: _HasNormOptions) -> bool:
-        return "normalize_unrounded" in self.norm_options

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from arnorm._norm import NORM_OPTIONS, FirstOptionsAsAttributes, NormOptionName, with_option_keywords
+from arnorm._norm import NORM_OPTIONS, NormOptionName
 
 __all__ = ["Problem"]
 
 
 @dataclass(frozen=True, slots=True)
-class Problem(FirstOptionsAsAttributes):
+class Problem:
     """The static description of one ``AllReduceNorm``: identical on every rank.
 
     ``platform`` is ``"cuda"``, ``"rocm"`` or ``"cpu"``; ``arch`` the CUDA compute capability
@@ -23,8 +20,7 @@ class Problem(FirstOptionsAsAttributes):
     ``norm_options`` the names of its options that are on (``RMSNorm.options``), less those void for
     this problem (``NormOption.is_void``: ``normalize_unrounded`` with no residual add or in fp32),
     which the problem records off: one problem, one selection
-    (``RMSNorm.with_options(p.eps, p.weight_offset, p.norm_options)`` is the norm itself);
-    ``round_before_weight`` and ``normalize_unrounded`` read the set.
+    (``RMSNorm.with_options(p.eps, p.weight_offset, p.norm_options)`` is the norm itself).
     ``add_residual=False``: an all-reduce + norm with no residual add (calls pass ``residual=None``;
     the new residual is the reduced sum itself).
     ``batch_invariant``: ``Config(batch_invariant=True)``: a row's outputs must not depend on the
@@ -75,19 +71,3 @@ class Problem(FirstOptionsAsAttributes):
             f"tp={self.world_size} hidden={self.hidden_size} {self.dtype} "
             f"quant={self.quant_name}{layout} {norm}{residual}{invariant} {self.platform}"
         )
-
-
-def _taking_option_keywords(init: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(init)
-    def __init__(self: Problem, *args: Any, **kwargs: Any) -> None:
-        keywords: dict[str, Any] = {n: kwargs.pop(n) for n in NORM_OPTIONS if n in kwargs}
-        if keywords:
-            kwargs["norm_options"] = with_option_keywords(kwargs.get("norm_options", ()), keywords)
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-# Round 3's problems took a keyword per option (``round_before_weight=True``), and plugins' tests
-# still build them so (``dataclasses.replace`` too): each folds into ``norm_options``.
-Problem.__init__ = _taking_option_keywords(Problem.__init__)  # type: ignore[method-assign]

@@ -134,6 +134,8 @@ class QuantizedActivation(NamedTuple):
     ``[T, 1]``; nvfp4: e4m3 block scales (``float8_e4m3fn``); mxfp8: E8M0 exponents (``uint8``); the
     block scales in ``layout``.
     ``global_scale``: nvfp4 only, the fp32 ``[1]`` encode scale that was passed in.
+
+    ``arnorm.quant.dequantize(q)`` decodes it to fp32 (the value type imports no codec).
     """
 
     data: torch.Tensor
@@ -141,12 +143,6 @@ class QuantizedActivation(NamedTuple):
     format: str
     layout: str | None = None
     global_scale: torch.Tensor | None = None
-
-    def dequantize(self) -> torch.Tensor:
-        """Decode to fp32 ``[T, H]``: ``code * scale`` per element, one fp32 rounding (docs/numerics.md)."""
-        from arnorm.quant import dequantize
-
-        return dequantize(self)
 
 
 class Output(NamedTuple):

@@ -7,7 +7,7 @@ torch-native norms (arnorm's reference, vLLM's ``GemmaRMSNorm`` and ``RMSNorm`` 
 Face's norms), which compute ``x.pow(2).mean(-1)`` with ATen's CPU sum. A different order there
 moves ``rsqrt`` by an ulp now and then, and the normed output by one ulp of ``D`` in a few values
 in 10^4 (fp16) or 10^5 (bf16): the only difference left between arnorm's drop-ins and vLLM's helpers
-on CPU (issue 44). So the interpreted kernel sums in ATen's order, which this module writes down:
+on CPU. So the interpreted kernel sums in ATen's order, which this module writes down:
 
 ATen's ``vectorized_inner_sum`` (``aten/src/ATen/native/cpu/SumKernel.cpp``) reads a contiguous
 row as vectors of ``L`` lanes (``L`` = ``Vectorized<float>::size()``); ``row_sum`` groups the

@@ -44,8 +44,8 @@ from typing import Any
 
 START = time.monotonic()
 EPS = 1e-6
-#: Bytes each copy of the copy-bandwidth yardstick moves one way. Every benchmark and lab uses this
-#: one size, so their fractions of copy bandwidth compare (the labs used 512 MiB until 2026-12-04).
+#: Bytes each copy of the copy-bandwidth yardstick moves one way. Every benchmark uses this one
+#: size, so their fractions of copy bandwidth compare.
 COPY_BYTES = 1 << 30
 #: name -> (quant, scale layout)
 FORMATS: dict[str, tuple[str | None, str | None]] = {
@@ -226,7 +226,6 @@ def make_op(
     normed: bool,
     max_tokens: int,
     pdl: bool = True,
-    accelerate: bool = True,
     inplace: bool = True,
     layout: str | None = None,
 ) -> Any:
@@ -237,8 +236,8 @@ def make_op(
 
     quant, layout = FORMATS[fmt][0], layout or FORMATS[fmt][1]
     config = None
-    if not pdl or not accelerate:
-        config = arnorm.Config(settings={} if pdl else {"triton": {"pdl": False}}, accelerate=accelerate)
+    if not pdl:
+        config = arnorm.Config(settings={"triton": {"pdl": False}})
     return arnorm.AllReduceNorm(
         arnorm.LOCAL, hidden_size=h, dtype=torch.bfloat16, norm=arnorm.RMSNorm(EPS), quant=quant,
         scale_layout=layout, max_tokens=max_tokens, normed_output=normed, device=dev.device, config=config,
@@ -329,8 +328,6 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
                 ops.append(make_op(dev, h, fmt, normed, max_tokens=64))
                 # the launch without the programmatic-dependent-launch attribute: its host cost
                 ops.append(make_op(dev, h, fmt, normed, max_tokens=64, pdl=False))
-                # the argument check in Python (no C helper): what the helper saves
-                ops.append(make_op(dev, h, fmt, normed, max_tokens=64, accelerate=False))
                 timed = dev.eager_all(eager_paths(dev, fi, inp, normed, *ops), args.iters, args.eager_rounds)
             except Exception as exc:
                 errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -344,7 +341,7 @@ def eager_section(args: argparse.Namespace, dev: Any, fi: Any, report: dict) -> 
 
 
 def eager_paths(
-    dev: Any, fi: Any, inp: Inputs, normed: bool, op: Any, op_plain: Any, op_py: Any
+    dev: Any, fi: Any, inp: Inputs, normed: bool, op: Any, op_plain: Any
 ) -> dict[str, Callable[[], Any]]:
     """Label -> a call to time, for one case: the public op and its breakdown, then FlashInfer's.
     Every call is a lambda, as FlashInfer's are (a partial with a keyword argument costs more)."""
@@ -352,15 +349,14 @@ def eager_paths(
 
     h = inp.h
     x, r, w, s = inp.x.clone(), inp.r, inp.w, inp.scale
-    out, out_plain, out_py = op.empty_output(1, s), op_plain.empty_output(1, s), op_py.empty_output(1, s)
+    out, out_plain = op.empty_output(1, s), op_plain.empty_output(1, s)
     paths: dict[str, Callable[[], Any]] = {
         f"arnorm.AllReduceNorm ({op.backend})": lambda: op(x, r, w, s),
         f"arnorm.AllReduceNorm out= ({op.backend})": lambda: op(x, r, w, s, out=out),
         f"  out=, pdl off ({op_plain.backend})": lambda: op_plain(x, r, w, s, out=out_plain),
-        f"  out=, Python check (accelerate off) ({op_py.backend})": lambda: op_py(x, r, w, s, out=out_py),
     }
-    dispatch = op._dispatch  # what a call reads (private: a breakdown)
-    impl, fast = dispatch.table[1], dispatch.fast_table[1]  # the selected backend and its fast path
+    plan = op._plan  # what a call reads (private: a breakdown)
+    impl, fast = plan.table[1], plan.fast_table[1]  # the selected backend and its fast path
     if fast is not None:
         xp, rp, wp, sp = x.data_ptr(), r.data_ptr(), w.data_ptr(), 0 if s is None else s.data_ptr()
         paths["  its fast path, out=, pointers given"] = lambda: fast(1, x, r, w, s, out, xp, rp, wp, sp)

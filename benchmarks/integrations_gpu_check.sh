@@ -96,7 +96,7 @@ def unfused(x, residual, w):
 def rank_main(rank, world):
     from arnorm.integrations import vllm as av
     from arnorm.quant import quantize
-    from arnorm.testing._compare import ulp_distance
+    from arnorm.testing import ulp_distance
 
     dev = torch.device("cuda", torch.cuda.current_device())
     av.configure(group=dist.group.WORLD, max_tokens=2048)
@@ -147,7 +147,7 @@ import torch
 
 import arnorm
 from arnorm.integrations import vllm as av
-from arnorm.testing._compare import ulp_distance
+from arnorm.testing import ulp_distance
 
 H, T, EPS = 4096, 16, 1e-6
 dev = torch.device("cuda", 0)

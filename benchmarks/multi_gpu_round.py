@@ -175,9 +175,6 @@ class Round:
         # Nothing here is timed, so it all shares the GPUs: the two test runs, the demos, then the
         # faults (their ranks' waits are bounded by polls, which sharing slows but does not break).
         running = [(tests, self.start(tests)), (leak, self.start(leak))]
-        if not o.dry_run:
-            pre = Job("symm-precompile", [py, "lab/check_triton_symm.py", "precompile"], 0, 120)
-            running.append((pre, self.start(pre)))
         demo_procs = [(d, self.start(d, pair)) for d in demos]
         for d, p in demo_procs:
             self.finish(d, p)

@@ -1,8 +1,8 @@
 """Argument sets for the call-test property tests: one valid call and its ways of being wrong.
 
 ``variant(kind, x, r, w, s)`` turns a valid ``(hidden_states [4, H], residual, weight, scale)``
-into the named variant; the core's Python test (tests/test_call_safety.py) and the C helper's
-(tests/test_accel.py) are both held to ``check_call`` on these.
+into the named variant; the call's combined test (tests/op/test_call_safety.py) is held to
+``check_call`` on these.
 """
 
 from __future__ import annotations

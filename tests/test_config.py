@@ -19,16 +19,25 @@ def test_env_lists_are_parsed(clean_env):
 def test_every_field_has_its_variable(clean_env):
     """Each core Config field but ``settings`` (code only) is set by ARNORM_<FIELD>."""
     values = {
-        "backend": "x", "disable": "y", "check_calls": "1", "probe_timeout": "2.5", "accelerate": "0",
-        "peer_timeout": "30", "batch_invariant": "1", "vllm": "0",
+        "backend": "x", "disable": "y", "check_calls": "1", "probe_timeout": "2.5",
+        "peer_timeout": "30", "batch_invariant": "1", "vllm": "0", "vllm_pass": "take",
     }  # fmt: skip
     for field, value in values.items():
         clean_env.setenv(f"ARNORM_{field.upper()}", value)
     c = Config()
     assert set(values) | {"settings"} == set(Config.model_fields)
     assert (c.backend, c.disable, c.check_calls, c.probe_timeout) == (("x",), ("y",), True, 2.5)
-    assert c.accelerate is False and c.batch_invariant is True and c.vllm is False
-    assert c.peer_timeout == 30.0
+    assert c.batch_invariant is True and c.vllm is False
+    assert c.peer_timeout == 30.0 and c.vllm_pass == "take"
+
+
+def test_vllm_pass_names_its_three_policies(clean_env):
+    assert Config().vllm_pass == "after"
+    clean_env.setenv("ARNORM_VLLM_PASS", "always")
+    with pytest.raises(
+        ConfigError, match=r"ARNORM_VLLM_PASS: 'always' \(input should be 'after', 'take' or 'off'\)"
+    ):
+        Config()
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
@@ -64,9 +73,7 @@ def test_empty_backend_argument_is_rejected(clean_env):
 
 def test_unknown_field_is_rejected():
     """A misspelt field fails loudly, as a ConfigError naming it, instead of being ignored."""
-    with pytest.raises(
-        ConfigError, match=r"^Config.backends: not a setting \(needs one of: accelerate, backend, "
-    ):
+    with pytest.raises(ConfigError, match=r"^Config.backends: not a setting \(needs one of: backend, "):
         Config(backends="x")  # type: ignore[call-arg]
 
 

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from arnorm._norm import NORM_OPTIONS, with_option_keywords
+from arnorm._norm import NORM_OPTIONS
 from arnorm.plugin import Capabilities, Problem, RMSNorm, add_rmsnorm, check_capabilities
 
 from source_census import BACKEND_PACKAGES, modules_where
@@ -31,7 +31,7 @@ FILES_A_NEW_OPTION_TOUCHES = (
 
 #: The core modules a new option touches, each spelling every option.
 OPTION_MODULES = {
-    "arnorm/_norm.py": "the table itself (and round 3's two attributes of Problem and Capabilities)",
+    "arnorm/_norm.py": "the table itself",
     "arnorm/_types.py": "RMSNorm's field per option",
     "arnorm/_reference.py": "the reference arithmetic: a keyword and its arithmetic per option",
 }
@@ -52,7 +52,6 @@ BACKEND_MODULES_NAMING_OPTIONS = {
     "arnorm_triton/_kernels.py": "the epilogue's constexpr per option (its name in capitals)",
     "arnorm_triton/symm/_kernels.py": "the same constexprs, passed to the shared epilogue",
     "backends/arnorm-example/arnorm_example/_plugin.py": "the option the example serves",
-    "backends/arnorm-example/arnorm_example/_backend.py": "the example's call of add_rmsnorm with it",
 }
 
 
@@ -105,7 +104,7 @@ def test_the_census_finds_a_planted_option(tmp_path):
 
 # -- the table's facts, as everything reads them --------------------------------------------------
 
-#: The rejection reasons of round 3, quoted by docs and tests: the table must keep them exactly.
+#: The rejection reasons docs and tests quote: the table must keep them exactly.
 REASONS = {
     "round_before_weight": (
         "rounding order: round_before_weight=True (needs False: one rounding after the weight)"
@@ -124,7 +123,7 @@ def _problem(**kw) -> Problem:
     return Problem(**{**base, **kw})
 
 
-def test_reasons_are_round_3s_exactly():
+def test_reasons_are_exactly_the_quoted_ones():
     assert {n: o.reason for n, o in NORM_OPTIONS.items()} == REASONS
     bare = Capabilities(platforms={"cpu"})
     for name in NORM_OPTIONS:
@@ -189,26 +188,23 @@ def test_an_op_records_void_options_off_and_agrees_on_each_option():
     assert {n: facts[n] for n in NORM_OPTIONS} == {"round_before_weight": True, "normalize_unrounded": True}
 
 
-def test_round_3_keywords_of_problem_and_capabilities():
-    """Plugins built on round 3 pass a bool per option: it folds into norm_options and reads back."""
-    p = _problem(round_before_weight=True, normalize_unrounded=False)
-    assert p.norm_options == {"round_before_weight"} and p.round_before_weight and not p.normalize_unrounded
-    assert dataclasses.replace(p, round_before_weight=False).norm_options == frozenset()
-    assert dataclasses.replace(p, normalize_unrounded=True).normalize_unrounded
-    caps = Capabilities(platforms={"cpu"}, round_before_weight=True)
-    assert caps == Capabilities(platforms={"cpu"}, norm_options={"round_before_weight"})
-    assert caps.round_before_weight and not caps.normalize_unrounded
-    assert hash(caps) == hash(Capabilities(platforms={"cpu"}, norm_options={"round_before_weight"}))
-    assert caps.model_copy(update={"normalize_unrounded": True}).norm_options == set(NORM_OPTIONS)
-    assert caps.model_copy(update={"round_before_weight": False}).norm_options == frozenset()
-    assert Capabilities(platforms={"cpu"}, normalize_unrounded="true").normalize_unrounded
-    with pytest.raises(ValueError, match=r"round_before_weight: 'maybe' \(needs True or False\)"):
-        Capabilities(platforms={"cpu"}, round_before_weight="maybe")
+@pytest.mark.parametrize("name", list(NORM_OPTIONS))
+def test_an_option_is_spelt_only_in_norm_options(name):
+    """An option as a keyword of its own is refused; Capabilities's error names ``norm_options``
+    (a plugin's descriptor meets it at discovery), and neither class reads an option as an attribute."""
+    with pytest.raises(TypeError, match=name):
+        _problem(**{name: True})
+    with pytest.raises(ValueError, match=rf"{name}: True \(needs norm_options=\{{'{name}'\}}"):
+        Capabilities(platforms={"cpu"}, **{name: True})
+    assert not hasattr(_problem(norm_options={name}), name)
+    assert not hasattr(Capabilities(platforms={"cpu"}, norm_options={name}), name)
+
+
+def test_unknown_option_names_are_refused():
     with pytest.raises(ValueError, match="norm_options"):
         Capabilities(platforms={"cpu"}, norm_options={"round_after_weight"})
     with pytest.raises(ValueError, match="norm_options"):
         _problem(norm_options={"round_after_weight"})
-    assert with_option_keywords({"a"}, {"b": True, "a": False}) == {"b"}
 
 
 def test_the_reference_serves_every_option():

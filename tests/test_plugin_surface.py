@@ -1,8 +1,10 @@
-"""The plugin surface: what arnorm.plugin exports, and that backends use nothing else of the core."""
+"""The plugin surface: what arnorm.plugin exports, that backends use nothing else of the core, and
+that benchmarks/ uses the public API only."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +41,99 @@ def test_backends_import_only_the_public_plugin_surface(folder):
         if module.startswith("arnorm.") and any(part.startswith("_") for part in module.split(".")[1:])
     ]
     assert offenders == [], "backends must use arnorm.plugin only:\n" + "\n".join(offenders)
+
+
+BENCHMARKS = ROOT / "benchmarks"
+#: The one benchmark allowed private modules: the launch-table tuner times arnorm_triton's own
+#: launcher (``FusedLauncher``, its kernels' row shapes and codes) to write arnorm_triton's own table
+#: (``_launch_measured.py``): a tool of that package's internals, not a user of arnorm. It may
+#: import arnorm_triton's private modules and nothing else private.
+TUNER = "tune_launch_table.py"
+#: An import in a shell script's Python (``python3 - <<EOF`` blocks, ``python3 -c``).
+_SHELL_IMPORT = re.compile(r"(?:^|[;\s])(?:from\s+([\w.]+)\s+import\s+([\w, ]+)|import\s+([\w.]+))", re.M)
+
+
+def _private(module: str, names: tuple[str, ...] = ()) -> bool:
+    """Whether importing ``names`` from ``module`` reaches past a first-party public surface."""
+    parts = module.split(".")
+    if not parts[0].startswith("arnorm"):
+        return False
+    return any(p.startswith("_") for p in parts[1:]) or any(
+        n.strip().startswith("_") and not n.strip().startswith("__") for n in names
+    )
+
+
+def _benchmark_imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
+    text = path.read_text()
+    if path.suffix == ".py":
+        found = []
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.append((node.lineno, node.module, tuple(a.name for a in node.names)))
+            elif isinstance(node, ast.Import):
+                found += [(node.lineno, a.name, ()) for a in node.names]
+        return found
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(1) or m.group(3), tuple((m.group(2) or "").split(",")))
+        for m in _SHELL_IMPORT.finditer(text)
+    ]
+
+
+def _benchmark_files() -> list[Path]:
+    return sorted(p for p in BENCHMARKS.iterdir() if p.suffix in {".py", ".sh"})
+
+
+def test_benchmarks_import_only_public_apis():
+    """benchmarks/ runs arnorm as users do: ``arnorm``, ``arnorm.plugin``, ``arnorm.testing``,
+    ``arnorm.quant`` and the backends' public names; the tuner alone (``TUNER``) may import
+    arnorm_triton's private modules."""
+    offenders = []
+    for path in _benchmark_files():
+        for line, module, names in _benchmark_imports(path):
+            if not _private(module, names):
+                continue
+            if path.name == TUNER and module.startswith("arnorm_triton."):
+                continue
+            offenders.append(f"{path.relative_to(ROOT)}:{line}: {module} {', '.join(names)}".rstrip())
+    assert offenders == [], "benchmarks must use public APIs:\n" + "\n".join(offenders)
+
+
+def test_benchmarks_do_not_reach_into_tests():
+    """No benchmark imports test code or puts ``tests/`` on its path: what a benchmark needs of the
+    test helpers is public in ``arnorm.testing``."""
+    reach = re.compile(
+        r"sys\.path\.\w+\([^)]*tests|PYTHONPATH=[^\n]*/tests\b|^\s*(?:from|import)\s+tests\b", re.M
+    )
+    offenders = [
+        f"{path.relative_to(ROOT)}: {m.group(0).strip()}"
+        for path in _benchmark_files()
+        for m in reach.finditer(path.read_text())
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("module", "names", "private"),
+    [
+        ("arnorm.testing._compare", ("ulp_distance",), True),
+        ("arnorm.testing", ("ulp_distance",), False),
+        ("arnorm.op", ("_plan",), True),
+        ("arnorm_triton._kernels", (), True),
+        ("arnorm.plugin", ("add_rmsnorm", "__doc__"), False),
+        ("torch._dynamo", (), False),
+    ],
+)
+def test_what_counts_as_private(module, names, private):
+    assert _private(module, names) == private
+
+
+def test_shell_scripts_imports_are_read(tmp_path):
+    script = tmp_path / "x.sh"
+    script.write_text("python3 - <<EOF\nimport arnorm\nfrom arnorm.testing._compare import ulps\nEOF\n")
+    assert [(m, n) for _, m, n in _benchmark_imports(script)] == [
+        ("arnorm", ("",)),
+        ("arnorm.testing._compare", ("ulps",)),
+    ]
 
 
 def test_plugin_all_is_exactly_its_public_names():

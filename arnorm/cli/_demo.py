@@ -113,7 +113,9 @@ def _rank_main(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             "normed_max_abs": float((normed.float() - ref_y.float()).abs().max()),
         }
         if q is not None:
-            deq, ref_deq = q.dequantize(), ref_q.dequantize()
+            from arnorm.quant import dequantize
+
+            deq, ref_deq = dequantize(q), dequantize(ref_q)
             row["quant_max_abs"] = float((deq - ref_deq).abs().max())
             row["quant_mismatch"] = float(
                 (q.data.view(torch.uint8) != ref_q.data.view(torch.uint8)).float().mean()

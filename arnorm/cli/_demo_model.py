@@ -29,7 +29,7 @@ SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_la
              num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=256,
              initializer_range=0.1)  # fmt: skip
 PROMPT = (2, 8)  # batch, tokens
-#: fp32: the issue's tolerance against the unfused model. Lower precision: the fused RMS logit error
+#: fp32: the tolerance against the unfused model. Lower precision: the fused RMS logit error
 #: against the fp32 model may exceed the unfused run's by this factor at most (TP > 2 reduces differently).
 FP32_TOL, RMS_SLACK = 1e-4, 1.05
 _QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}

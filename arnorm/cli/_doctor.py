@@ -50,21 +50,11 @@ def report() -> str:
         ),
     ]
     lines += _gpu_lines()
-    from arnorm.op._accel import accelerator
     from arnorm.registry._load import load_config
 
-    helper, config = accelerator(), load_config()
-    if helper.accept is None:
-        lines.append(f"call check: Python (the C helper is absent: {helper.reason})")
-    elif not config.accelerate:
-        lines.append(
-            f"call check: Python (accelerate is off: ARNORM_ACCELERATE=0; the C helper is {helper.path})"
-        )
-    elif config.check_calls:
-        lines.append("call check: Python, with every call compared across ranks (check_calls is on: "
-                     "ARNORM_CHECK_CALLS=1 turns the C helper off)")  # fmt: skip
-    else:
-        lines.append(f"call check: C helper ({helper.path})")
+    if load_config().check_calls:
+        lines.append("call check: every call compared across ranks first (ARNORM_CHECK_CALLS=1; slow, "
+                     "for debugging)")  # fmt: skip
     lines.append("backends:")
     for info in arnorm.backends():
         version = f" {info.version}" if info.version else ""

@@ -382,8 +382,8 @@ class CallToken(list[Any]):
 
     Taking it at the start of every call marks the call as not yet at its data collective, so a
     call that fails knows its number (:meth:`Comm.call_number`) without looking for itself on the
-    stack. Only these ops (gloo, CPU, TP > 1, where the C helper never runs) pay for the
-    Python-level ``pop``; the rest keep a plain list.
+    stack. Only these ops (gloo, CPU, TP > 1) pay for the Python-level ``pop``; the rest keep a
+    plain list.
     """
 
     __slots__ = ("comm",)

@@ -1,5 +1,5 @@
 """Keeping a gloo op's collectives in step when a call is interrupted, rejected on some ranks only,
-or fails in check mode (issue 41); the header protocol itself is :class:`arnorm.comm._comm.Comm`'s.
+or fails in check mode; the header protocol itself is :class:`arnorm.comm._comm.Comm`'s.
 
 - **Waits are polled in Python.** A rank blocked inside gloo's ``wait()`` handles a signal only
   when the wait returns: a SIGINT then surfaced between a step's header and its data, and the poison
@@ -51,11 +51,9 @@ def wait_work(work: Any, channel: Any, rank: int, world: int) -> str | None:
     return None
 
 
-def call_rejected(op: Any) -> None:
-    """The call in progress of ``op`` raised before (or without) its collective on this rank and the
-    op is neither poisoned nor closed: on a gloo op, tell the peers in the collective's slot."""
-    d = op._dispatch
-    comm = d.comm
-    if comm is None or comm.world_size == 1 or d.poisoned is not None or d.closed or comm.stepped:
+def call_rejected(comm: Any) -> None:
+    """The call in progress of an op over ``comm``, neither poisoned nor closed, raised before (or
+    without) its collective on this rank: on a gloo op, tell the peers in the collective's slot."""
+    if comm is None or comm.world_size == 1 or comm.stepped:
         return
     comm.skip()

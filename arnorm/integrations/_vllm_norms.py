@@ -129,7 +129,7 @@ def probe_arithmetic(
     for cand in _CANDIDATES:
         cand = Arithmetic(offset, cand.round_before_weight, cand.normalize_unrounded)
         # The weight in the module's own dtype: an fp32 weight rounded to fp16 here would judge the
-        # module against arithmetic it does not do (issue 44: false mismatches, up to 30 ulp).
+        # module against arithmetic it does not do (false mismatches, up to 30 ulp).
         _, y = add_rmsnorm(x, residual, w, eps, offset, cand.round_before_weight,
                            cand.normalize_unrounded)  # fmt: skip
         d = _ulps(normed.to(dtype), y)

@@ -12,11 +12,14 @@ names. :func:`register` routes vLLM's fused all-reduce + norm helpers to arnorm'
 - one log line per process (logger ``vllm.arnorm``, so vLLM's own log shows it; stderr in a process
   that has configured no logging yet, as vLLM's front end when it loads plugins) says which
   helpers were routed, which were left alone and why, and which arnorm backends serve;
+- it adds arnorm's fusion pass to every engine config the process builds (the seams of every
+  compiled model: :mod:`arnorm.integrations._vllm_pass_install`), under ``Config.vllm_pass``
+  (``ARNORM_VLLM_PASS``: ``after``, ``take`` or ``off``); a vLLM whose pass API differs gets none;
 - ``ARNORM_VLLM=0`` (``Config.vllm``) leaves vLLM untouched, and the line says so.
 
 Importing this module imports neither torch nor vLLM nor a backend. ``register`` imports vLLM's
-helper modules (the modules vLLM's models import anyway) and arnorm's drop-ins; the ops are built by
-the first call, which vLLM's profile run makes before any CUDA-graph capture (a call first seen
+helper modules and compile modules (modules vLLM imports anyway) and arnorm's drop-ins; the ops are
+built by the first call, which vLLM's profile run makes before any CUDA-graph capture (a call first seen
 inside a capture runs unfused and builds nothing: see :mod:`arnorm.integrations._vllm_ops`).
 """
 
@@ -27,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HELPERS", "Helper", "Routing", "register", "route"]
+__all__ = ["HELPERS", "Helper", "Routing", "compile_pass", "register", "route"]
 
 #: vLLM's logger namespace: vLLM configures the ``vllm`` logger, so its log shows these lines.
 logger = logging.getLogger("vllm.arnorm")
@@ -164,39 +167,69 @@ def _say(level: int, message: str, *args: Any) -> None:
         sys.stderr.write(f"{logging.getLevelName(level)} {message % args}\n")
 
 
+def compile_pass(policy: str) -> str:
+    """Add arnorm's compile pass to the engine configs this process builds, under ``policy``; what
+    was done, for the log line. Never raises."""
+    if policy == "off":
+        return "compile pass: off (ARNORM_VLLM_PASS=off)"
+    try:
+        from arnorm.integrations._vllm_pass_install import prepare
+
+        why = prepare(policy)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    if why is not None:
+        return f"compile pass: not installed ({why})"
+    return f"compile pass: {policy} (added to each engine config built here{_invariance()})"
+
+
+def _invariance() -> str:
+    import os
+
+    if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
+        return "; VLLM_BATCH_INVARIANT: only backends declaring batch invariance fuse"
+    return ""
+
+
 def register() -> None:
-    """vLLM's hook (``vllm.general_plugins``): route the helpers in this process, unless ARNORM_VLLM=0.
-    Never raises: a failure leaves vLLM's own helpers and is logged."""
+    """vLLM's hook (``vllm.general_plugins``): route the helpers and add the compile pass in this
+    process, unless ARNORM_VLLM=0. Never raises: a failure leaves vLLM's own path and is logged."""
     import os
 
     try:
         from arnorm._config import Config
 
-        enabled = Config().vllm
+        config = Config()
+        enabled, policy = config.vllm, config.vllm_pass
     except Exception as exc:  # a malformed ARNORM_* value: say it, keep vLLM's own path
-        _say(logging.WARNING, "arnorm: vLLM helpers left to vLLM (pid %d): settings: %s", os.getpid(), exc)
+        _say(logging.WARNING, "arnorm: vLLM helpers left to vLLM (pid %d): settings: %s; compile pass: "
+             "not installed", os.getpid(), exc)  # fmt: skip
         return
     if not enabled:
-        _say(logging.INFO, "arnorm: vLLM helpers left to vLLM (pid %d): ARNORM_VLLM=0", os.getpid())
+        _say(logging.INFO, "arnorm: vLLM helpers left to vLLM (pid %d): ARNORM_VLLM=0; compile pass: "
+             "not installed (ARNORM_VLLM=0)", os.getpid())  # fmt: skip
         return
+    passed = compile_pass(policy)
     try:
         routing = route()
     except Exception as exc:
         _say(
             logging.WARNING,
-            "arnorm: vLLM helpers left to vLLM (pid %d): routing failed (%s: %s)",
+            "arnorm: vLLM helpers left to vLLM (pid %d): routing failed (%s: %s); %s",
             os.getpid(),
             type(exc).__name__,
             exc,
+            passed,
         )
         return
     routed = ", ".join(name for name, _ in routing.routed) or "none"
     left = "; ".join(f"{name}: {why}" for name, why in routing.left_alone) or "none"
     _say(
         logging.INFO,
-        "arnorm: routed vLLM's %s to arnorm.integrations.vllm (pid %d); left to vLLM: %s; backend: %s",
+        "arnorm: routed vLLM's %s to arnorm.integrations.vllm (pid %d); left to vLLM: %s; backend: %s; %s",
         routed,
         os.getpid(),
         left,
         _backends(),
+        passed,
     )

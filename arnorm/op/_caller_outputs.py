@@ -21,27 +21,26 @@ overlap with the call's inputs is tested on every call, from the spans remembere
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from arnorm._errors import InvalidInputError
 from arnorm._formats import FORMAT_SPECS
 from arnorm._types import Output, QuantizedActivation
 
-__all__ = [
-    "CopyInto",
-    "OutRules",
-    "OutTrust",
-    "Spans",
-    "check_out",
-    "check_dests_overlap",
-    "check_out_tensors",
-    "copy_into",
-    "empty_output",
-    "unwritten_destination",
-]
+if TYPE_CHECKING:
+    import torch
 
-#: Trusted ``out`` objects per op before the table starts over (bounded like weights).
-OUT_TRUST_LIMIT = 64
+__all__ = [
+    "OutRules",
+    "Spans",
+    "check_dests_overlap",
+    "check_out",
+    "check_out_tensors",
+    "checked_out",
+    "dest_shapes",
+    "empty_output",
+    "span",
+]
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,8 @@ class OutRules:
     """What one op writes: fixed at construction."""
 
     hidden: int
-    dtype: Any  # torch.dtype
-    device: Any  # torch.device
+    dtype: torch.dtype
+    device: torch.device
     quant: str | None
     layout: str | None
     normed: bool
@@ -67,7 +66,14 @@ class Spans(NamedTuple):
     dests: tuple[tuple[Any, int, int, Any], ...]
 
 
-def _dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...], Any]]:
+def span(t: Any, rows: int, cols: int) -> tuple[int, int]:
+    """``[start, end)`` byte addresses of a ``[rows, cols]`` tensor with unit column stride."""
+    start = t.data_ptr()
+    row_stride = t.stride(0) if t.dim() == 2 else cols
+    return start, start + ((rows - 1) * row_stride + cols) * t.element_size()
+
+
+def dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...], Any]]:
     """``(argument, field, shape, dtype)`` of every destination for ``t`` tokens."""
     import torch
 
@@ -126,7 +132,7 @@ def check_out_tensors(rules: OutRules, out: object, t: int) -> list[tuple[str, A
     if not rules.normed and out.normed is not None:
         raise InvalidInputError("out.normed: Tensor (needs None: the op was built with normed_output=False)")
     dests = []
-    for arg, field, shape, dtype in _dest_shapes(rules, t):
+    for arg, field, shape, dtype in dest_shapes(rules, t):
         d = _field(out, field)
         if not isinstance(d, torch.Tensor):
             raise InvalidInputError(
@@ -183,9 +189,7 @@ def check_out(rules: OutRules, out: object, t: int) -> Spans:
 
 def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any], ...]) -> None:
     """Raise when a destination shares a byte with one of the call's ``(name, tensor)`` inputs."""
-    from arnorm.op._check import span
-
-    names = [d[0] for d in _dest_shapes(rules, spans.rows)]
+    names = [d[0] for d in dest_shapes(rules, spans.rows)]
     for name, t in inputs:
         if t is None:
             continue
@@ -197,12 +201,12 @@ def check_out_inputs(spans: Spans, rules: OutRules, inputs: tuple[tuple[str, Any
 
 
 def check_dests_overlap(rules: OutRules, dests: list[Any], inputs: tuple[Any, ...]) -> None:
-    """Raise when two of ``dests`` (``out``'s destinations in :func:`_dest_shapes`' order, already
+    """Raise when two of ``dests`` (``out``'s destinations in :func:`dest_shapes`' order, already
     checked on their own) share a byte, or one shares a byte with an input of ``inputs``
     (``hidden_states, residual, weight, scale``): the byte tests of :func:`check_out` and
-    :meth:`OutTrust.check`, for a compiled call whose ``out`` was checked on fake tensors."""
+    :func:`checked_out`, for a compiled call whose ``out`` was checked on fake tensors."""
     t = inputs[0].shape[0]
-    names = [d[0] for d in _dest_shapes(rules, t)]
+    names = [d[0] for d in dest_shapes(rules, t)]
     spans: list[tuple[Any, int, int, Any]] = []
     for j, d in enumerate(dests):
         start = d.data_ptr()
@@ -215,75 +219,14 @@ def check_dests_overlap(rules: OutRules, dests: list[Any], inputs: tuple[Any, ..
     check_out_inputs(Spans(t, tuple(spans)), rules, tuple(zip(labels, inputs, strict=True)))
 
 
-class OutTrust:
-    """``out`` objects that passed :func:`check_out`: ``id -> Spans``, bounded; the objects are kept
-    alive so an ``id`` is never reused while trusted."""
-
-    __slots__ = ("held", "rules", "table")
-
-    def __init__(self, rules: OutRules) -> None:
-        self.rules = rules
-        self.table: dict[int, Spans] = {}
-        self.held: list[Any] = []
-
-    def spans(self, out: Any, t: int) -> Spans:
-        """The checked spans of ``out`` for ``t`` tokens (checking it when it is new or changed)."""
-        # Hot path of every out= call: plain loops, no generators (each costs a frame).
-        s = self.table.get(id(out))
-        if s is not None and s[0] == t:
-            for d, p, _, shape in s[1]:
-                if d.data_ptr() != p or d.shape != shape:
-                    break
-            else:
-                return s
-        s = check_out(self.rules, out, t)
-        if len(self.held) >= OUT_TRUST_LIMIT:
-            self.table.clear()
-            self.held.clear()
-        self.table[id(out)] = s
-        self.held.append(out)
-        return s
-
-    def check(self, out: Any, t: int, tensors: tuple[Any, ...]) -> None:
-        """Raise :class:`InvalidInputError` unless ``out`` fits ``t`` tokens and shares no byte
-        with the call's inputs ``tensors``: ``(hidden_states, residual, weight, scale)``, each
-        ``None`` where absent. The op's call makes this test inline for an ``out`` found in
-        :attr:`table` with its pointers unchanged, and calls this otherwise."""
-        s = self.spans(out, t)
-        names = ("hidden_states", "residual", "weight", "scale")
-        check_out_inputs(s, self.rules, tuple(zip(names, tensors, strict=True)))
-
-
-def _same_memory(got: Any, want: Any) -> bool:
-    """``got`` is ``want`` or a view of exactly its memory (a backend may return ``out.normed.view(...)``)."""
-    if got is want:
-        return True
-    try:
-        return bool(
-            got.data_ptr() == want.data_ptr() and got.shape == want.shape and got.stride() == want.stride()
-            and got.dtype == want.dtype and got.device == want.device
-        )  # fmt: skip
-    except (AttributeError, TypeError, RuntimeError):
-        return False
-
-
-def unwritten_destination(result: Any, out: Output, rules: OutRules) -> str:
-    """The first destination of ``out`` that ``result`` does not hand back (``""``: it holds them
-    all). A backend declaring ``caller_outputs`` must return the caller's tensors; one that returns
-    new ones has left the caller's buffers unwritten."""
-    if not isinstance(result, Output):
-        return "out"
-    if not _same_memory(result.normed, out.normed):
-        return "out.normed"
-    if not rules.inplace and not _same_memory(result.residual, out.residual):
-        return "out.residual"
-    if rules.quant is not None and out.quant is not None:
-        got = result.quant
-        if not isinstance(got, QuantizedActivation) or not _same_memory(got.data, out.quant.data):
-            return "out.quant.data"
-        if FORMAT_SPECS[rules.quant].scale_dtype is not None and not _same_memory(got.scale, out.quant.scale):
-            return "out.quant.scale"
-    return ""
+def checked_out(rules: OutRules, out: object, t: int, tensors: tuple[Any, ...]) -> Spans:
+    """Raise :class:`InvalidInputError` unless ``out`` fits ``t`` tokens and shares no byte with the
+    call's inputs ``tensors`` (``hidden_states, residual, weight, scale``, each ``None`` where
+    absent); else its :class:`Spans`, which the call trusts by identity afterwards."""
+    s = check_out(rules, out, t)
+    names = ("hidden_states", "residual", "weight", "scale")
+    check_out_inputs(s, rules, tuple(zip(names, tensors, strict=True)))
+    return s
 
 
 def empty_output(rules: OutRules, t: int, scale: Any = None) -> Output:
@@ -306,48 +249,3 @@ def empty_output(rules: OutRules, t: int, scale: Any = None) -> Output:
             scale=scale if spec.takes_scale else None,
         )  # fmt: skip
     return Output(normed, residual, quant)  # type: ignore[arg-type]
-
-
-class CopyInto:
-    """A backend without ``Capabilities.caller_outputs`` serving ``out=``: it allocates its outputs
-    as usual and this copies them into the caller's buffers (correct; one extra pass over them)."""
-
-    def __init__(self, impl: Any, inplace: bool) -> None:
-        self.impl = impl
-        self._inplace = inplace
-
-    def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any, out: Output) -> Output:
-        got = self.impl(hidden_states, residual, weight, scale)
-        if not isinstance(got, Output):  # else an AttributeError from inside arnorm's copy
-            from arnorm._errors import BackendBrokenError
-
-            name = getattr(self.impl, "name", type(self.impl).__name__)
-            msg = (
-                f"backend {name!r}: its call returned {type(got).__name__} "
-                "(needs an arnorm.plugin.Output(normed, residual, quant))"
-            )
-            raise BackendBrokenError(msg)
-        return copy_into(got, out, self._inplace)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.impl, name)
-
-    def __repr__(self) -> str:
-        return f"CopyInto({self.impl!r})"
-
-
-def copy_into(got: Output, out: Output, inplace: bool) -> Output:
-    """``got``'s values in ``out``'s tensors, returned as the call's :class:`Output`."""
-    normed = None
-    if got.normed is not None:
-        normed = out.normed.copy_(got.normed)  # type: ignore[union-attr]
-    residual = got.residual if inplace else out.residual.copy_(got.residual)
-    quant = got.quant
-    if quant is not None:
-        dq = out.quant
-        assert dq is not None
-        data = dq.data.copy_(quant.data)
-        computed = FORMAT_SPECS[quant.format].scale_dtype is not None
-        qs = dq.scale.copy_(quant.scale) if computed else quant.scale
-        quant = QuantizedActivation(data, qs, quant.format, quant.layout, quant.global_scale)
-    return Output(normed, residual, quant)

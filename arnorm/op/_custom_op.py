@@ -71,7 +71,7 @@ def _check_dests(op: Any, dests: Any, hidden_states: Any, residual: Any, weight:
     if dests:
         from arnorm.op._caller_outputs import check_dests_overlap
 
-        check_dests_overlap(op._dispatch.out_rules, list(dests), (hidden_states, residual, weight, scale))
+        check_dests_overlap(op._plan.out_rules, list(dests), (hidden_states, residual, weight, scale))
 
 
 def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
@@ -200,7 +200,7 @@ def _define_ops() -> None:
         @torch.library.custom_op("arnorm::inference_only", mutates_args=(), schema="(Tensor like) -> Tensor")
         def inference_only(like: torch.Tensor) -> torch.Tensor:
             from arnorm._errors import InferenceOnlyError
-            from arnorm.op._guards import INFERENCE_ONLY
+            from arnorm.op._results import INFERENCE_ONLY
 
             raise InferenceOnlyError(INFERENCE_ONLY)
 

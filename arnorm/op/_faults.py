@@ -1,7 +1,7 @@
 """What happens to an op when something goes wrong between ranks: poisoning, threads, fork.
 
 An op whose collectives may have fallen out of step with its peers' is *poisoned*, the way NCCL
-aborts a communicator: its dispatch (:mod:`arnorm.op._dispatch`) is replaced whole by one whose
+aborts a communicator: its call plan (:mod:`arnorm.op._plan`) is replaced whole by one whose
 tables hold :class:`Poisoned`, so every later call raises the same :class:`arnorm.PeerError` and
 the valid-call path pays nothing for the check.
 Causes: a backend call that raised part-way at TP > 1 (:func:`call_failed`), a peer's poison
@@ -34,7 +34,7 @@ _EXIT_HOOK = False
 
 
 class Poisoned:
-    """A dispatch-table entry of a poisoned op: every call raises the op's :class:`PeerError`."""
+    """A call-plan table entry of a poisoned op: every call raises the op's :class:`PeerError`."""
 
     __slots__ = ("message",)
 
@@ -47,15 +47,10 @@ class Poisoned:
 
 def poison(op: Any, message: str) -> None:
     """Make every later call of ``op`` raise ``PeerError(message)`` (local; idempotent)."""
-    d = op._dispatch
-    if d.poisoned is not None or d.closed:
+    plan = op._plan
+    if plan.poisoned is not None or plan.closed:
         return
-    bad = Poisoned(message)
-    op._dispatch = d.emptied(
-        table=[None if impl is None else bad for impl in d.table],
-        into_table=[None if impl is None else bad for impl in d.into_table],
-        poisoned=message,
-    )
+    op._plan = plan.emptied(poisoned=message, entry=Poisoned(message))
 
 
 def call_failed(op: Any, exc: BaseException) -> None:
@@ -64,9 +59,9 @@ def call_failed(op: Any, exc: BaseException) -> None:
     The op is poisoned on this rank; the Comm tells the peers in the collective slot this rank
     skipped (or the next one), and a note in the store says why for peers whose wait ends.
     """
-    d = op._dispatch
-    comm = d.comm
-    if comm.world_size == 1 or d.poisoned is not None:
+    plan = op._plan
+    comm = plan.comm
+    if comm is None or comm.world_size == 1 or plan.poisoned is not None:
         return
     if isinstance(exc, PeerError):
         message = str(exc)

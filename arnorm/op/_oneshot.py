@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -13,8 +12,8 @@ from arnorm._errors import InvalidInputError
 from arnorm._formats import DTYPES
 from arnorm._norm import NORM_OPTIONS
 from arnorm._types import LOCAL, Output, RMSNorm
+from arnorm.op._call import agree_larger_call
 from arnorm.op._faults import group_owner, is_destroyed
-from arnorm.op._guards import agree_call
 from arnorm.op._op import AllReduceNorm
 from arnorm.registry._capabilities import join_or
 
@@ -85,20 +84,19 @@ def fused_allreduce_norm(
     key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual)
     with _cache_lock:
         op = _cache.get(key)
-        d = op._dispatch if op is not None else None
-        if d is not None and d.owner and d.owner != threading.get_ident():
-            raise _thread_error(d.owner)
-        if op is None or d is None or d.closed or d.poisoned is not None or t > d.rules.max_tokens:
+        owner = op._state.owner if op is not None else 0
+        if owner and owner != threading.get_ident():
+            raise _thread_error(owner)
+        plan = op._plan if op is not None else None
+        if op is None or plan is None or plan.closed or plan.poisoned is not None or t > plan.max_tokens:
             # A poisoned op (a rank's call failed part-way; every rank's op is poisoned at the
             # same step) is replaced by a new one, built on every rank at its next call.
-            if d is None or d.closed or d.poisoned is not None:
+            if plan is None or plan.closed or plan.poisoned is not None:
                 _check_first_thread(group)
-            elif d.check_calls:
+            elif plan.check_calls:
                 # The budget is per rank: a larger count on one rank only would build on that rank
                 # while the others call. Agree first, as the call itself would.
-                d.seq += 1
-                rules = dataclasses.replace(d.rules, max_tokens=int(t))
-                agree_call(d.comm, rules, d.seq, hidden_states, residual, weight, scale)
+                agree_larger_call(op, hidden_states, residual, weight, scale)
             if op is not None:
                 op.close()
                 del _cache[key]

@@ -13,17 +13,15 @@ from arnorm._config import Config, peer_timeout
 from arnorm._errors import ArnormError, ArnormWarning, InvalidInputError, PeerError
 from arnorm._problem import Problem
 from arnorm._types import Output, RMSNorm
-from arnorm.comm._comm import Comm
+from arnorm.comm._comm import CLOSED, Comm
 from arnorm.comm._rendezvous import open_agreement
 from arnorm.op._args import build_problem, resolve_device
-from arnorm.op._call import call
+from arnorm.op._call import call, no_backend
 from arnorm.op._caller_outputs import empty_output
 from arnorm.op._custom_op import register_handle, unregister_handle
-from arnorm.op._dispatch import Dispatch, build_dispatch, closed_error
 from arnorm.op._faults import claim_group, release, track
-from arnorm.op._first_calls import arm as arm_first_calls
-from arnorm.op._first_calls import served_by
-from arnorm.op._guards import no_backend, with_zero_residual
+from arnorm.op._plan import CallPlan, CallState, build_plan, new_state, unbuilt_plan
+from arnorm.op._results import with_zero_residual
 from arnorm.registry._capabilities import did_you_mean
 from arnorm.registry._discovery import get_registry
 from arnorm.registry._explain import Explanation
@@ -139,7 +137,8 @@ class AllReduceNorm:
         add_residual: bool = True,
     ) -> None:
         # Serves nothing until construction succeeds, so close() stays safe.
-        self._dispatch = Dispatch()
+        self._plan: CallPlan = unbuilt_plan()
+        self._state: CallState = CallState(token=[None], owner=0)
         self._chain: list[Any] = []
         self._group_name = ""
         self._release_keys: weakref.finalize[Any, Any] | None = None
@@ -233,17 +232,17 @@ class AllReduceNorm:
                 )
         self._explanation, self._chain = explanation, chain
         handle = register_handle(self)
-        dispatch = build_dispatch(
-            problem, comm, dev, config, explanation, chain, plan.chain, caps, plan.table, owner, handle
+        call_plan = build_plan(
+            problem, comm, dev, config, explanation, chain, plan.chain, caps, plan.table, handle
         )
-        arm_first_calls(self, dispatch)  # each backend's result checked on its first call per token count
+        self._state = new_state(comm, owner, len(call_plan.table))
         track(self)
         if comm.channel is not None:
             comm.channel.phase = "calling"
             # Closed or dropped, the op's store keys go once every rank is done with them.
             self._release_keys = weakref.finalize(self, comm.channel.release)
             self._release_keys.atexit = False  # at exit the store may be gone: nothing to tidy
-        self._dispatch = dispatch
+        self._plan = call_plan
 
     def _abandon(self, exc: BaseException) -> None:
         """Construction failed on this rank: release the group and tell peers still waiting."""
@@ -270,18 +269,20 @@ class AllReduceNorm:
         is not in place, else ``None``; ``quant`` as :func:`arnorm.quant.empty_quantized` makes it
         (``scale``: the fp32 ``[1]`` scale it records for fp8_static / nvfp4; out= ignores it).
         """
-        return empty_output(self._dispatch.out_rules, self._check_tokens_arg(num_tokens), scale)
+        t = self._check_tokens_arg(num_tokens)
+        assert self._plan.out_rules is not None
+        return empty_output(self._plan.out_rules, t, scale)
 
     @property
     def _closed(self) -> bool:
-        return self._dispatch.closed
+        return self._plan.closed
 
     def _check_tokens_arg(self, num_tokens: object) -> int:
-        d = self._dispatch
-        if d.closed:
-            raise closed_error()
-        if d.poisoned is not None:
-            raise PeerError(d.poisoned)
+        plan = self._plan
+        if plan.closed:
+            raise InvalidInputError(CLOSED)
+        if plan.poisoned is not None:
+            raise PeerError(plan.poisoned)
         limit = self._problem.max_tokens
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 < num_tokens <= limit:
             raise InvalidInputError(f"num_tokens: {num_tokens!r} (needs an int from 1 to {limit})")
@@ -301,7 +302,7 @@ class AllReduceNorm:
 
     def backend_for(self, num_tokens: int) -> str:
         """The backend a call with ``num_tokens`` tokens runs on."""
-        impl = served_by(self._dispatch.table[self._check_tokens_arg(num_tokens)])
+        impl = self._plan.table[self._check_tokens_arg(num_tokens)]
         if impl is None:
             raise no_backend(num_tokens)
         return self._explanation.chain[self._chain.index(impl)]
@@ -313,7 +314,7 @@ class AllReduceNorm:
         (zero-copy). ``None`` when the backend serving ``num_tokens`` has no such buffer. The
         buffer belongs to the op: its contents change with every call.
         """
-        impl = served_by(self._dispatch.table[self._check_tokens_arg(num_tokens)])
+        impl = self._plan.table[self._check_tokens_arg(num_tokens)]
         get = getattr(impl, "input_buffer", None)
         if get is None:
             return None
@@ -326,7 +327,7 @@ class AllReduceNorm:
         if num_tokens is None:
             return self._explanation
         t = self._check_tokens_arg(num_tokens)
-        served = served_by(self._dispatch.table[t])
+        served = self._plan.table[t]
         skipped = []
         for name, impl in zip(self._explanation.chain, self._chain, strict=True):
             if impl is served:
@@ -350,13 +351,13 @@ class AllReduceNorm:
         Local: it enters no collective, so ranks may close in any order (a backend that must
         synchronize its peers does so in its own call path).
         """
-        d = self._dispatch
-        if d.closed:
+        plan = self._plan
+        if plan.closed:
             return
-        self._dispatch = d.emptied(closed=True)
+        self._plan = plan.emptied(closed=True)
         if self._group_name:
             release(self._group_name, self)
-        unregister_handle(d.handle)
+        unregister_handle(plan.handle)
         chain, self._chain = self._chain, []
         for impl in chain:
             try:
@@ -372,7 +373,7 @@ class AllReduceNorm:
     # -- no copies ---------------------------------------------------------------------------
 
     def _not_copyable(self, *args: object) -> Any:
-        # A copy would share the dispatch tables, the group claim and the communicator, so closing
+        # A copy would share the call plan and state, the group claim and the communicator, so closing
         # it would break the original; a pickle would need a live process group on the other side.
         raise TypeError(
             "op: an AllReduceNorm cannot be copied or pickled (needs a new arnorm.AllReduceNorm, built "

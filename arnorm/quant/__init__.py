@@ -10,7 +10,7 @@ sync with the host. ``docs/numerics.md`` states each rule and how production ker
 >>> from arnorm import quant
 >>> y = torch.tensor([[1.0, -2.0, 500.0, 0.1]])
 >>> q = quant.quantize(y, "fp8_static", scale=torch.tensor([1.0]))
->>> q.dequantize().tolist()  # 500 saturates to 448; 0.1 rounds to 13 * 2**-7
+>>> quant.dequantize(q).tolist()  # 500 saturates to 448; 0.1 rounds to 13 * 2**-7
 [[1.0, -2.0, 448.0, 0.1015625]]
 """
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from arnorm import _formats
-from arnorm._norm import NORM_OPTIONS, FirstOptionsAsAttributes, NormOptionName, with_option_keywords
+from arnorm._norm import NORM_OPTIONS, NormOptionName
 from arnorm._problem import Problem
 
 __all__ = [
@@ -36,7 +36,7 @@ QuantChoice = _formats.QuantChoice
 Layout = _formats.LayoutName
 
 
-class Capabilities(BaseModel, FirstOptionsAsAttributes):
+class Capabilities(BaseModel):
     """What a backend declares, checked against a :class:`Problem` before anything is imported.
 
     A backend's probe keeps only what cannot be declared here (versions, topology, devices).
@@ -51,8 +51,8 @@ class Capabilities(BaseModel, FirstOptionsAsAttributes):
       ``min_hidden``, ``max_hidden``.
     - ``weight_offsets`` (``None``: any); ``norm_options``: the options of :class:`arnorm.RMSNorm`
       the backend serves (``{"round_before_weight", "normalize_unrounded"}``; the table of options
-      is ``arnorm.plugin.NORM_OPTIONS``). Round 3's bool keywords stay: ``round_before_weight=True``
-      and ``normalize_unrounded=True`` add their option to the set, and read it as attributes.
+      is ``arnorm.plugin.NORM_OPTIONS``). An option's name as a keyword of its own
+      (``round_before_weight=True``) is refused with an error naming ``norm_options``.
     - ``strided_rows``: whether ``hidden_states`` / ``residual`` may be ``[T, H]`` views with
       unit column stride and a row stride above ``H`` (taken without a copy).
     - ``residual_free``: whether the backend serves ops built with ``add_residual=False``
@@ -98,35 +98,17 @@ class Capabilities(BaseModel, FirstOptionsAsAttributes):
 
     @model_validator(mode="before")
     @classmethod
-    def _option_keywords(cls, data: object) -> object:
-        """Round 3's bool keyword per option (``round_before_weight=True``), which plugins built on
-        it pass: True adds the option to ``norm_options``, False removes it."""
-        if not isinstance(data, dict) or not any(n in data for n in NORM_OPTIONS):
-            return data
-        data = dict(data)
-        listed = data.get("norm_options", ())
-        if isinstance(listed, str) or not isinstance(listed, Iterable):
-            return data  # the field's own validation names what is wrong
-        keywords: dict[str, bool] = {}
-        for name in NORM_OPTIONS:
-            if name in data:
-                value = data.pop(name)
-                try:
-                    keywords[name] = _BOOL.validate_python(value)
-                except ValidationError:
-                    raise ValueError(f"{name}: {value!r} (needs True or False)") from None
-        data["norm_options"] = with_option_keywords(listed, keywords)
+    def _options_only_in_norm_options(cls, data: object) -> object:
+        """A norm option passed as a keyword of its own would otherwise fail as an unknown field;
+        the error names where the option goes instead."""
+        if isinstance(data, dict):
+            for name in NORM_OPTIONS:
+                if name in data:
+                    raise ValueError(
+                        f"{name}: {data[name]!r} (needs norm_options={{{name!r}}}: the norm's options are "
+                        "named in norm_options)"
+                    )
         return data
-
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Capabilities:
-        """As pydantic's; round 3's option keywords in ``update`` fold into ``norm_options`` (an
-        update skips validation, so they would otherwise be ignored)."""
-        if update and any(n in update for n in NORM_OPTIONS):
-            update = dict(update)
-            keywords: dict[str, Any] = {n: update.pop(n) for n in NORM_OPTIONS if n in update}
-            listed = update.get("norm_options", self.norm_options)
-            update["norm_options"] = with_option_keywords(listed, keywords)
-        return super().model_copy(update=update, deep=deep)
 
     @model_validator(mode="after")
     def _consistent(self) -> Capabilities:
@@ -162,7 +144,6 @@ class Capabilities(BaseModel, FirstOptionsAsAttributes):
         return hash(tuple((k, _hashable(v)) for k, v in self))
 
 
-_BOOL = TypeAdapter(bool)
 _LEADING_NUMBER = re.compile(r"^-?\d+(\.\d+)?")
 
 

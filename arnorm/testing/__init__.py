@@ -3,6 +3,8 @@
 - :func:`run_ranks` runs a function on N spawned processes joined in one torch.distributed group
   (gloo on CPU); a rank that fails ends the run within seconds with its traceback.
 - :func:`ulps` / :func:`ulp_distance`: elementwise / largest distance in units in the last place.
+- :func:`registered` registers backends given as ``BackendSpec`` for one ``with`` block, in this
+  process, beside the installed ones: a backend runs through selection and the op uninstalled.
 - :class:`ConformanceSuite` (needs pytest: ``pip install 'arnorm[test]'``) checks a backend
   against the numerics contract; subclass it and set ``backend``.
 
@@ -12,8 +14,9 @@ environment variable changes them.
 
 from arnorm.testing._compare import ulp_distance, ulps
 from arnorm.testing._ranks import RankError, run_ranks
+from arnorm.testing._registered import registered
 
-__all__ = ["ConformanceSuite", "RankError", "run_ranks", "ulp_distance", "ulps"]
+__all__ = ["ConformanceSuite", "RankError", "registered", "run_ranks", "ulp_distance", "ulps"]
 
 
 def __getattr__(name: str) -> object:

@@ -70,7 +70,7 @@ def test_bench_public_op_smoke(tmp_path):
 
 
 def test_make_op_honours_inplace_and_layout(monkeypatch):
-    """bench_public_op.make_op builds the op the labs ask for: in place by default (the new residual
+    """bench_public_op.make_op builds the op the benchmarks ask for: in place by default (the new residual
     over hidden_states, swizzled nvfp4 scales), a buffer of its own with inplace=False, and the
     scale layout that layout= names."""
     import torch

@@ -52,7 +52,7 @@ def test_out_on_gpu_is_bitwise_the_allocating_call(variant, t, normed, inplace):
     """Every format at T 1 / 7 / 130: out= gives the allocating call's bits, in out's tensors."""
     quant, layout = variant
     with _op(quant, layout, normed, inplace) as op:
-        assert op._dispatch.table[1].launcher.fast  # the direct launch is what writes out
+        assert op._plan.table[1].launcher.fast  # the direct launch is what writes out
         x, r, w, s = _inputs(t, quant)
         expect = op(x.clone(), r, w, s)
         out = op.empty_output(t, s)

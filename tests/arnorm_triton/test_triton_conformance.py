@@ -20,6 +20,8 @@ class TestTritonConformance(ConformanceSuite):
     shapes = ((1, 256), (7, 512))
     # Batch invariance: on a GPU, H 4096 (rows of the measured launch table, whose warp count changes
     # at T 1, 16, 128 and 1024) at every one of those boundaries; on CPU (the interpreter, where warps
-    # play no part) a few small batches against the rank-order gather.
+    # play no part and every launch is one program per row, whatever T) a row alone, a pair and an odd
+    # batch against the rank-order gather. The largest size is the pool of rows each computed alone,
+    # so it sets the cost: 7 rows, not 33, cover the same code (a pool of 33 took 4x the time).
     invariance_hidden = 4096 if torch.cuda.is_available() else 256
-    invariance_sizes = (1, 2, 7, 16, 17, 128, 129, 1024, 1025) if torch.cuda.is_available() else (1, 7, 33)
+    invariance_sizes = (1, 2, 7, 16, 17, 128, 129, 1024, 1025) if torch.cuda.is_available() else (1, 2, 7)

@@ -24,7 +24,7 @@ from triton_cases import (
 )
 
 from arnorm.plugin import FORMAT_SPECS, add_rmsnorm
-from arnorm.quant import quantize, swizzle_128x4
+from arnorm.quant import dequantize, quantize, swizzle_128x4
 from arnorm_triton._kernels import _swizzled_offset
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -272,7 +272,7 @@ def test_nvfp4_negative_global_scale_is_the_contract(layout, scale):
     assert_quant_equal(out.quant, quantize(out.normed, "nvfp4", scale=s, layout=layout))
     y = out.normed.float()
     assert torch.equal(
-        torch.sign(out.quant.dequantize()) * (y != 0), torch.sign(y) * (out.quant.dequantize() != 0)
+        torch.sign(dequantize(out.quant)) * (y != 0), torch.sign(y) * (dequantize(out.quant) != 0)
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from arnorm.plugin import DTYPES as DTYPE_NAMES
-from arnorm.plugin import Comm, Problem, add_rmsnorm, rank_order_sum
+from arnorm.plugin import Comm, Problem, RMSNorm, add_rmsnorm, rank_order_sum
 from arnorm.quant import quantize
 from arnorm.testing import ulps as ulp_distance  # elementwise, as these tests use it
 from arnorm.testing._compare import nearest_two_rounding_normed
@@ -67,8 +67,7 @@ def make_problem(
         device_type=device.type,
         platform=platform,
         arch=arch,
-        round_before_weight=round_before_weight,
-        normalize_unrounded=normalize_unrounded,
+        norm_options=RMSNorm(eps, weight_offset, round_before_weight, normalize_unrounded).options,
     )
 
 
@@ -145,13 +144,13 @@ def assert_quant_equal(q, expect) -> None:
 def check_output(out, s: torch.Tensor, residual, weight, problem: Problem, scale) -> None:
     """The contract given the backend's reduced sum ``s``: residual bitwise, normed close, quant
     bitwise equal to arnorm.quant.quantize of the kernel's own normed values."""
+    norm = RMSNorm.with_options(problem.eps, problem.weight_offset, problem.norm_options)
     h_ref, y_ref = add_rmsnorm(
-        s, residual, weight, problem.eps, problem.weight_offset, problem.round_before_weight,
-        problem.normalize_unrounded,
-    )  # fmt: skip
+        s, residual, weight, norm.eps, norm.weight_offset, **dict.fromkeys(norm.options, True)
+    )
     assert_bitwise(out.residual, h_ref, "residual")
-    if problem.normed_output and problem.round_before_weight:
-        unrounded = s.float() + residual.float() if problem.normalize_unrounded else None
+    if problem.normed_output and norm.round_before_weight:
+        unrounded = s.float() + residual.float() if norm.normalize_unrounded else None
         y_ref = nearest_two_rounding_normed(
             out.normed, h_ref, weight, problem.eps, problem.weight_offset, unrounded
         )

@@ -34,7 +34,7 @@ class FastIgnoresOut(IgnoresOut):
         got = fake_backends.AllReduceBackend.__call__(self, hidden_states, residual, weight, scale)
         if out is None:
             return got
-        from arnorm.op._caller_outputs import copy_into
+        from arnorm.op._results import copy_into
 
         return copy_into(got, out, self.problem.inplace)
 

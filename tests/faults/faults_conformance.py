@@ -43,7 +43,8 @@ class SkipsOnRankOne(Planted):
         from arnorm.plugin import add_rmsnorm
 
         p = self.problem
-        return add_rmsnorm(hidden_states, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
+        options = dict.fromkeys(p.norm_options, True)
+        return add_rmsnorm(hidden_states, residual, weight, p.eps, p.weight_offset, **options)
 
 
 class NotInvariant(SizeGated):

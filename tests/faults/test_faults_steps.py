@@ -124,4 +124,6 @@ def test_check_mode_interrupt_leaves_a_note():
     assert first0 == first1 == ("ok", True)
     assert second1 == ("interrupted", "KeyboardInterrupt"), second1
     assert second0[:2] == ("error", "PeerError") and "KeyboardInterrupt" in second0[2], second0
+    # The note names the call that was interrupted, as it does outside check mode.
+    assert "rank 1: its call 2 failed with KeyboardInterrupt" in second0[2], second0
     assert waited0 < 5.0, waited0

@@ -49,8 +49,7 @@ class FusedTestBackend:
     def __call__(self, hidden_states: Any, residual: Any, weight: Any, scale: Any) -> Output:
         p = self.problem
         s = rank_order_sum(self.comm.all_gather(hidden_states))
-        h, y = add_rmsnorm(s, residual, weight, p.eps, p.weight_offset, p.round_before_weight,
-                           getattr(p, "normalize_unrounded", False))  # fmt: skip
+        h, y = add_rmsnorm(s, residual, weight, p.eps, p.weight_offset, **dict.fromkeys(p.norm_options, True))
         q = quantize_output(y, p.quant, scale, p.scale_layout)
         if p.inplace:
             h = hidden_states.copy_(h)
@@ -67,8 +66,7 @@ def install_registry() -> None:
     caps = Capabilities(
         platforms=frozenset({"cpu", "cuda"}),
         quant=ALL_QUANT,
-        round_before_weight=True,
-        normalize_unrounded=True,
+        norm_options=frozenset({"round_before_weight", "normalize_unrounded"}),
     )
     reg = Registry()
     reg.add(

@@ -261,7 +261,7 @@ def test_fused_path_follows_the_norms_arithmetic(cls, dtype):
         fused = tokens <= integ_fakes.FUSED_LIMIT
         assert norm.calls == calls + (1 if fused else 2), "the fused path must not run the module"
     op = av.op_for(256, dtype, 1e-6, device="cpu", norm=norm)
-    assert op.problem.normalize_unrounded == cls.unrounded
+    assert ("normalize_unrounded" in op.problem.norm_options) == cls.unrounded
 
 
 def test_a_norm_no_arithmetic_matches_is_said_once():
@@ -299,10 +299,9 @@ def test_fused_allreduce_rms_norm_for_vllms_plain_norm(dtype):
         assert _bitwise(normed, want_y) and _bitwise(new_residual, want_h), tokens
     assert norm.calls == 1  # the over-limit call only
     problem = av.op_for(128, dtype, 1e-6, device="cpu", norm=norm).problem
-    assert (problem.weight_offset, problem.round_before_weight, problem.normalize_unrounded) == (
+    assert (problem.weight_offset, problem.norm_options) == (
         0.0,
-        True,
-        True,
+        {"round_before_weight", "normalize_unrounded"},
     )
     with pytest.raises(arnorm.InvalidInputError, match=r"^norm: VllmGemmaNorm, a Gemma norm that multiplies"):
         av.fused_allreduce_rms_norm(x, residual, integ_fakes.VllmGemmaNorm(norm.weight.data, 1e-6))

@@ -144,7 +144,7 @@ def test_the_fast_path_accepts_exactly_what_check_call_accepts(
 ):
     """For every input, the inline fast predicate of __call__ and check_call agree (issue 11.7)."""
     import arnorm.op._call as op_module
-    from arnorm.op._check import check_call
+    from arnorm.op._call import check_call
 
     fake_backends.install()
     slow = []
@@ -163,7 +163,7 @@ def test_the_fast_path_accepts_exactly_what_check_call_accepts(
             slow.clear()
         args = variant(kind, x, r, w, s)
         try:
-            check_call(op._dispatch.rules, *args)
+            check_call(op._plan.rules, *args)
             check_ok = True
         except arnorm.InvalidInputError:
             check_ok = False

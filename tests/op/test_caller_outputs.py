@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import arnorm
-from arnorm.op._caller_outputs import CopyInto
+from arnorm.op._results import CopyInto
 from arnorm.testing import run_ranks
 
 import ranks_fixtures as rf
@@ -96,9 +96,9 @@ def test_empty_output_needs_no_scale(clean_env, quant, layout):
 def test_triton_writes_in_place_and_others_are_copied_into(clean_env):
     """triton declares caller_outputs and writes out directly; the reference goes through CopyInto."""
     with make("triton") as op:
-        assert not isinstance(op._dispatch.into_table[1], CopyInto)
+        assert not isinstance(op._plan.into_table[1], CopyInto)
     with make("reference") as op:
-        assert isinstance(op._dispatch.into_table[1], CopyInto)
+        assert isinstance(op._plan.into_table[1], CopyInto)
     assert arnorm.plugin.Capabilities(platforms=frozenset({"cpu"})).caller_outputs is False
 
 

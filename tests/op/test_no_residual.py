@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 import arnorm
 from arnorm._reference import add_rmsnorm
-from arnorm.op._first_calls import served_by
-from arnorm.op._guards import ZeroResidual
+from arnorm.op._results import ZeroResidual
 from arnorm.plugin import Capabilities
 from arnorm.testing import run_ranks
 
@@ -87,7 +86,7 @@ def test_a_backend_without_residual_free_reads_negative_zeros_and_matches_bitwis
     native_reference(fake_backends.spec("small", 60, "Recording"))
     w = torch.randn(H).bfloat16()
     with make() as op:
-        served = [served_by(e) for e in op._dispatch.table]  # the backend behind each first-call check
+        served = list(op._plan.table)
         assert isinstance(served[3], ZeroResidual) and not isinstance(served[8], ZeroResidual)
         assert served[1]._zeros.shape == (4, H)  # as many rows as the wrapped backend serves
         assert op.backend_for(3) == "small" and op.backend_for(8) == "reference"
@@ -187,7 +186,7 @@ KINDS = st.sampled_from(
 def test_the_fast_path_without_residual_accepts_exactly_what_check_call_accepts(kind, warm, inplace):
     """For residual=None calls, the inline predicate and check_call agree, and only rejects go slow."""
     import arnorm.op._call as op_module
-    from arnorm.op._check import check_call
+    from arnorm.op._call import check_call
 
     fake_backends.install()
     slow: list[bool] = []
@@ -216,7 +215,7 @@ def test_the_fast_path_without_residual_accepts_exactly_what_check_call_accepts(
                 slow.clear()
             args = table[kind]
             try:
-                check_call(op._dispatch.rules, *args)
+                check_call(op._plan.rules, *args)
                 check_ok = True
             except arnorm.InvalidInputError:
                 check_ok = False

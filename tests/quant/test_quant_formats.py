@@ -125,7 +125,7 @@ def test_fp8_static_matches_oracle(scale: float) -> None:
     assert q.data.dtype == torch.float8_e4m3fn and q.data.shape == (9, 96)
     assert q.scale is s and q.layout is None and q.global_scale is None
     np.testing.assert_array_equal(_bytes(q.data), oracle_fp8_static(y, scale))
-    np.testing.assert_array_equal(q.dequantize().numpy(), _e4m3_value(_bytes(q.data)) * F32(scale))
+    np.testing.assert_array_equal(dequantize(q).numpy(), _e4m3_value(_bytes(q.data)) * F32(scale))
 
 
 def test_fp8_per_token_matches_oracle() -> None:
@@ -139,7 +139,7 @@ def test_fp8_per_token_matches_oracle() -> None:
     np.testing.assert_array_equal(q.scale.numpy(), scale)
     assert q.scale[3].item() == q.scale[4].item() == float(F32(1) / F32(229376))
     np.testing.assert_array_equal(_bytes(q.data), codes)
-    np.testing.assert_array_equal(q.dequantize().numpy(), _e4m3_value(codes) * scale)
+    np.testing.assert_array_equal(dequantize(q).numpy(), _e4m3_value(codes) * scale)
 
 
 @pytest.mark.parametrize("factor", [1.0, 0.37, 5.0, 1e-3])
@@ -158,7 +158,7 @@ def test_nvfp4_matches_oracle(factor: float) -> None:
     np.testing.assert_array_equal(_bytes(lin.scale), sf)
     np.testing.assert_array_equal(swz.data.numpy(), codes)
     np.testing.assert_array_equal(_bytes(swz.scale), _swizzle_loop(sf))
-    assert torch.equal(lin.dequantize(), swz.dequantize())
+    assert torch.equal(dequantize(lin), dequantize(swz))
 
 
 def test_mxfp8_matches_oracle() -> None:
@@ -177,7 +177,7 @@ def test_mxfp8_matches_oracle() -> None:
     np.testing.assert_array_equal(swz.scale.numpy(), _swizzle_loop(e))
     assert e[0, 0] == 0 and e[1, 0] == 127 and e[2, 1] == 0
     expected = _e4m3_value(codes).reshape(7, 7, 32) * np.ldexp(F32(1), e.astype(np.int64) - 127)[..., None]
-    np.testing.assert_array_equal(lin.dequantize().numpy(), expected.reshape(7, 224))
+    np.testing.assert_array_equal(dequantize(lin).numpy(), expected.reshape(7, 224))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -205,7 +205,7 @@ def test_zero_rows() -> None:
         s = None if scale is None else torch.tensor([scale])
         for layout in ["linear", "swizzled_128x4"] if fmt in ("nvfp4", "mxfp8") else [None]:
             q = quantize(y, fmt, scale=s, layout=layout)
-            assert q.dequantize().shape == (0, 64)
+            assert dequantize(q).shape == (0, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_all_zero_blocks_keep_signed_zeros() -> None:
     mx = quantize(y, "mxfp8")
     assert mx.scale.tolist() == [[0]] and _bytes(mx.data)[0, :4].tolist() == [0x00, 0x80, 0x00, 0x80]
     for q in (nv, mx):
-        out = q.dequantize()
+        out = dequantize(q)
         assert torch.equal(out, y) and torch.equal(torch.signbit(out), torch.signbit(y))
 
 
@@ -232,7 +232,7 @@ def test_nvfp4_block_scale_saturates_at_448() -> None:
     assert _bytes(q.scale).tolist() == [[0x7E]]
     lo, hi = q.data[0, 0].item() & 0xF, q.data[0, 0].item() >> 4
     assert (lo, hi) == (0x7, 0xF)  # +6, -6
-    assert q.dequantize()[0, 0].item() == pytest.approx(6 * 448 / (2688 / 5))
+    assert dequantize(q)[0, 0].item() == pytest.approx(6 * 448 / (2688 / 5))
 
 
 def test_nvfp4_one_huge_value_flushes_the_rest_of_its_block() -> None:
@@ -241,7 +241,7 @@ def test_nvfp4_one_huge_value_flushes_the_rest_of_its_block() -> None:
     y[0, 0] = 1000.0
     y[0, 1] = -0.01
     q = quantize(y, "nvfp4", scale=torch.tensor([2688.0 / 1000.0]), layout="linear")
-    out = q.dequantize()
+    out = dequantize(q)
     assert out[0, 0].item() == pytest.approx(1000.0, rel=1e-6)
     assert out[0, 1].item() == 0.0 and math.copysign(1.0, out[0, 1].item()) == -1.0
     assert out[0, 2:16].abs().max().item() == 0.0
@@ -253,7 +253,7 @@ def test_nvfp4_tiny_block_gets_zero_scale() -> None:
     y = torch.full((1, 16), 1e-6)
     q = quantize(y, "nvfp4", scale=torch.tensor([1.0]), layout="linear")
     assert _bytes(q.scale).tolist() == [[0]] and q.data.unique().tolist() == [0]
-    assert torch.equal(q.dequantize(), torch.zeros(1, 16))
+    assert torch.equal(dequantize(q), torch.zeros(1, 16))
 
 
 def test_mxfp8_tiny_block_keeps_precision_at_e0() -> None:
@@ -263,7 +263,7 @@ def test_mxfp8_tiny_block_keeps_precision_at_e0() -> None:
     y[0, 1] = -(2.0**-133) * 1.5
     q = quantize(y, "mxfp8")
     assert q.scale.tolist() == [[0]]
-    assert torch.equal(q.dequantize(), y)
+    assert torch.equal(dequantize(q), y)
 
 
 def test_mxfp8_subnormal_p_just_above_two_pow_minus_127() -> None:
@@ -272,7 +272,7 @@ def test_mxfp8_subnormal_p_just_above_two_pow_minus_127() -> None:
     y[0, 0] = 2.0**-118  # p = 2**-118 * fp32(1/448) ~ 1.14 * 2**-127
     q = quantize(y, "mxfp8")
     assert q.scale.tolist() == [[1]]
-    assert q.dequantize()[0, 0].item() == 2.0**-118
+    assert dequantize(q)[0, 0].item() == 2.0**-118
 
 
 def test_mxfp8_one_huge_value_and_saturated_exponent() -> None:
@@ -286,7 +286,7 @@ def test_mxfp8_one_huge_value_and_saturated_exponent() -> None:
     assert q.scale.tolist() == [[e0, 254]]
     codes = _bytes(q.data)[0]
     assert codes[32] == 0x7E and codes[33] == 0xFE and codes[34] == 0
-    assert q.dequantize()[0, 32].item() == math.inf  # 448 * 2**127 overflows fp32
+    assert dequantize(q)[0, 32].item() == math.inf  # 448 * 2**127 overflows fp32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def test_nvfp4_nan_poisons_only_its_block() -> None:
     sf = _bytes(q.scale)
     assert sf[1, 1] == 0x7F and sf[1, 0] != 0x7F and (sf[0] != 0x7F).all()
     assert (q.data[1, 8:] == 0).all()
-    out = q.dequantize()
+    out = dequantize(q)
     assert torch.isnan(out[1, 16:]).all() and not torch.isnan(out[1, :16]).any()
     assert not torch.isnan(out[0]).any()
 
@@ -343,7 +343,7 @@ def test_mxfp8_nan_poisons_only_its_block() -> None:
     assert q.scale.tolist() == [[119, 255]]  # 1 * fp32(1/448) rounds up to 2**-8
     codes = _bytes(q.data)[0]
     assert (codes[32:] == 0x7F).all() and (codes[:32] == 0x78).all()  # 1 * 2**8
-    out = q.dequantize()
+    out = dequantize(q)
     assert torch.isnan(out[0, 32:]).all() and torch.equal(out[0, :32], torch.ones(32))
 
 

@@ -77,13 +77,13 @@ def test_each_aspect_has_its_reason():
 def test_normalize_unrounded_is_declared_or_rejected():
     """RMSNorm(normalize_unrounded=True) is served only by a backend that declares it; the reason
     names the setting and the arithmetic the backend has instead."""
-    p = problem(normalize_unrounded=True)
+    p = problem(norm_options={"normalize_unrounded"})
     (reason,) = check_capabilities(FI, p)
     assert reason.startswith("norm input: normalize_unrounded=True (needs False")
     assert GRAMMAR.match(reason)
-    assert check_capabilities(FI.model_copy(update={"normalize_unrounded": True}), p) == ()
+    assert check_capabilities(FI.model_copy(update={"norm_options": {"normalize_unrounded"}}), p) == ()
     # With no residual add the two arithmetics are one: nothing to reject.
-    assert check_capabilities(FI, problem(normalize_unrounded=True, add_residual=False)) == ()
+    assert check_capabilities(FI, problem(norm_options={"normalize_unrounded"}, add_residual=False)) == ()
 
 
 def test_builtin_declarations_of_normalize_unrounded():
@@ -96,9 +96,12 @@ def test_builtin_declarations_of_normalize_unrounded():
     from arnorm_triton.symm._plugin import CAPABILITIES as SYMM
 
     (reference,) = arnorm_backends()
-    assert reference.capabilities.normalize_unrounded
-    assert TRITON.normalize_unrounded and SYMM.normalize_unrounded
-    assert not FLASHINFER.normalize_unrounded and not AITER.normalize_unrounded
+
+    def serves(caps):
+        return "normalize_unrounded" in caps.norm_options
+
+    assert serves(reference.capabilities) and serves(TRITON) and serves(SYMM)
+    assert not serves(FLASHINFER) and not serves(AITER)
 
 
 @given(

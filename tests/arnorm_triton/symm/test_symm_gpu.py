@@ -3,7 +3,7 @@
 Gloo carries arnorm's agreement; the partials travel through torch symmetric memory
 (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` lets ranks share a GPU). Processes sharing a GPU
 time-slice it, so these tests prove correctness and graph safety, never speed. Run with
-``python -m pytest tests/arnorm_triton/test_symm_gpu.py -m gpu`` (lab/gpu_symm_round.sh).
+``python -m pytest tests/arnorm_triton/symm/test_symm_gpu.py -m gpu``.
 
 The functions without ``test_`` run inside the spawned ranks and return failure strings.
 """
@@ -27,15 +27,6 @@ MAX_TOKENS = 600
 #: 4 MiB (per 2-byte dtype): about 510 tokens of both regions at H = 2048, so T = 600 falls through.
 BUDGET = 4 << 20
 OVERLAP = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
-#: Kernel configurations these tests build (lab/check_triton_symm.py precompiles them):
-#: (dtype, quant, layout, hidden, normed, round_before_weight, world).
-PRECOMPILE = [
-    *(("bfloat16", q, lay, H, True, False, w) for q, lay in VARIANTS for w in (2, 4)),
-    ("float16", None, None, H, True, False, 2),
-    ("float32", None, None, H, True, False, 2),
-    ("bfloat16", "fp8_per_token", None, H, True, True, 2),
-    ("bfloat16", "mxfp8", "linear", H, False, False, 2),
-]
 
 
 @pytest.fixture(autouse=True)

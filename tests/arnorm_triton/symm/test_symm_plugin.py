@@ -49,7 +49,7 @@ def test_residual_free_ops_get_a_zero_residual():
     """The symmetric kernels always read a residual (an add_residual=False conformance case raised
     AttributeError on the H200 when the declaration was inherited from triton's), so triton_symm
     does not declare residual_free and the op wraps it in ZeroResidual's -0.0 rows."""
-    from arnorm.op._guards import ZeroResidual, with_zero_residual
+    from arnorm.op._results import ZeroResidual, with_zero_residual
 
     assert CAPABILITIES.residual_free is False
     seen = []

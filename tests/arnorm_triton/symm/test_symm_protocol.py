@@ -23,6 +23,10 @@ H = 64
 QUANT = "nvfp4"
 MAX_TOKENS = 8
 SLOTS = 2
+#: How late the late rank of the bounded-wait tests is: far longer than its peer takes from the
+#: common start to its wait (its first interpreted call), also on a loaded 2-core CI machine
+#: running two test workers; 1.5 s was not always.
+LATE_S = 4.0
 
 
 def _layout(world: int, push_max: int):
@@ -44,6 +48,8 @@ def rank_calls(rank: int, world: int, directory: str, quant, calls: list[tuple],
                push_max: int = 0) -> list:  # fmt: skip
     """Build this rank's backend over the shared files and make ``calls`` (tokens, zero-copy, late
     rank, late seconds); return (failures, the timeout bits after each call, the final epochs)."""
+    import torch.distributed as dist
+
     from arnorm_triton.symm._backend import TritonSymmBackend
     from arnorm_triton.symm._emulation import shared_workspace
 
@@ -52,6 +58,9 @@ def rank_calls(rank: int, world: int, directory: str, quant, calls: list[tuple],
     ws = shared_workspace(_layout(world, push_max), torch.bfloat16, directory, rank)
     settings = {"max_bytes": 1 << 20, "oneshot_max_tokens": 3, "spin_limit": spin_limit}
     backend = TritonSymmBackend(problem, Comm(None, torch.device("cpu")), ws, settings)
+    # "late" counts from a common start: ranks start up seconds apart on a loaded machine (CI's
+    # parallel workers), which would otherwise make the late rank early or its peer later still.
+    dist.barrier()
     for i, (t, zero_copy, late_rank, late_s) in enumerate(calls):
         g = torch.Generator().manual_seed(i)
         parts = [torch.randn(t, H, generator=g).to(torch.bfloat16) for _ in range(world)]
@@ -108,7 +117,7 @@ def test_push_protocol_across_processes(tmp_path):
 
 def test_bounded_push_wait_records_the_timeout(tmp_path):
     """A push wait gives up after the spin limit (bit 3 of the error word) instead of hanging."""
-    calls = [(1, False, 1, 1.5)]
+    calls = [(1, False, 1, LATE_S)]
     results = run_ranks(2, rank_calls, _files(tmp_path, 2, 2), None, calls, 50, 2, timeout=300)
     (_, errors0, _), (_, errors1, _) = results
     assert errors0[0] & 8 and errors1 == [0]
@@ -124,9 +133,9 @@ def test_protocol_three_ranks(tmp_path):
 
 
 def test_bounded_wait_records_the_timeout(tmp_path):
-    """With a spin limit of 50 polls, a rank 1.5 s late makes the other rank's publish wait give up
+    """With a spin limit of 50 polls, a rank LATE_S seconds late makes the other rank's publish wait give up
     (bit 0 of the error word) instead of hanging; the late rank, whose peer already signalled, does not."""
-    calls = [(3, False, 1, 1.5)]
+    calls = [(3, False, 1, LATE_S)]
     results = run_ranks(2, rank_calls, _files(tmp_path, 2), None, calls, 50, timeout=300)
     (_, errors0, _), (_, errors1, _) = results
     assert errors0[0] & 1 and errors1 == [0]

@@ -3,7 +3,9 @@
 from arnorm.plugin import BackendSpec, Capabilities, hookimpl
 
 CAPS = Capabilities(
-    platforms=frozenset({"cpu", "cuda"}), dtypes=frozenset({"bfloat16"}), round_before_weight=True
+    platforms=frozenset({"cpu", "cuda"}),
+    dtypes=frozenset({"bfloat16"}),
+    norm_options=frozenset({"round_before_weight"}),
 )
 MODULE = "arnorm_conformance_fixtures.backends"
 PLANTED = "arnorm_conformance_fixtures.planted"

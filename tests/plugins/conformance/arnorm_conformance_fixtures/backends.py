@@ -28,7 +28,8 @@ class Good:
     def compute(self, hidden_states, residual, weight):
         p = self.problem
         reduced = self.comm.all_reduce_(hidden_states.float()).to(hidden_states.dtype)
-        return add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight)
+        options = dict.fromkeys(p.norm_options, True)
+        return add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, **options)
 
     def __call__(self, hidden_states, residual, weight, scale):
         p = self.problem
@@ -55,7 +56,7 @@ class Unrounded(Good):
         summed = self.comm.all_reduce_(hidden_states.float())
         h = (summed + residual.float()).to(hidden_states.dtype)
         zeros = residual.new_zeros(residual.shape)
-        _, y = add_rmsnorm(h, zeros, weight, p.eps, p.weight_offset, p.round_before_weight)
+        _, y = add_rmsnorm(h, zeros, weight, p.eps, p.weight_offset, **dict.fromkeys(p.norm_options, True))
         return h, y
 
 

@@ -93,7 +93,8 @@ class Invariant(Good):
     def compute(self, hidden_states, residual, weight):
         p = self.problem
         reduced = self.comm.all_reduce_(hidden_states.float()).to(hidden_states.dtype)
-        return add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, p.round_before_weight,
+        options = dict.fromkeys(p.norm_options, True)
+        return add_rmsnorm(reduced, residual, weight, p.eps, p.weight_offset, **options,
                            batch_invariant=p.batch_invariant)  # fmt: skip
 
 
