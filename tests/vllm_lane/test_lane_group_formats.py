@@ -212,3 +212,40 @@ def test_drop_in_matches_vllms_own_chain_at_tp1(key_name, dtype):
     assert isinstance(q, QuantizedActivation) and q.quant_key is key
     assert torch.equal(_bits(new_residual), _bits(want_h)) and torch.equal(_bits(normed), _bits(want_y))
     assert torch.equal(_bits(q.data), _bits(want_q)) and torch.equal(_bits(q.scale), _bits(want_s))
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def chain_report(request):
+    import json
+
+    import vllm_lane_group_ranks as ranks
+
+    from arnorm.testing import run_ranks
+
+    world = request.param
+    results = run_ranks(world, ranks.group_chain, timeout=1500, env={"VLLM_TARGET_DEVICE": "cpu"})
+    text = json.dumps(results, indent=1, default=str)
+    print(f"\n=== group formats vs vLLM's chain, TP {world} ===\n{text}")
+    return world, results
+
+
+@pytest.mark.slow
+def test_drop_in_matches_vllms_all_reduce_norm_and_quantizer(chain_report):
+    """At TP 1 and 2 (vLLM's parallel state over gloo): arnorm's quant entry point against vLLM's
+    tensor_model_parallel_all_reduce, its GemmaRMSNorm, then its per_token_group_quant_fp8 or
+    mxfp4_quantize. Codes, scales, normed and residual bit for bit on every rank, vLLM's
+    QuantizedActivation back; above the budget, None (the caller's path)."""
+    world, results = chain_report
+    import vllm_lane_group_ranks as ranks
+
+    for rank, report in enumerate(results):
+        assert report["world"] == world
+        for row in report["rows"]:
+            within = row["tokens"] <= max(ranks.TOKENS) - 1
+            assert row["returned"] is within, (rank, row)
+            if not within:
+                continue
+            assert list(row["served"].values()) == [{"triton": 1}], (rank, row)  # arnorm's fused kernel
+            flags = ("type_is_vllms", "residual_bitwise", "normed_bitwise", "codes_bitwise", "scales_bitwise",
+                     "codes_vs_vllm_quant_of_normed", "scales_vs_vllm_quant_of_normed")  # fmt: skip
+            assert all(row[f] for f in flags), (rank, row)
