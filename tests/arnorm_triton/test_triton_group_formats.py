@@ -85,3 +85,20 @@ def test_the_backends_declare_the_formats():
     from arnorm_triton._plugin import CAPABILITIES
 
     assert {*GROUP_FORMATS, "mxfp4"} <= CAPABILITIES.quant
+
+
+@pytest.mark.parametrize("fmt", [*GROUP_FORMATS, "mxfp4"])
+def test_scales_at_the_top_of_fp32_match_the_reference(fmt):
+    """fp32 activations whose normed values reach the top of fp32 (and overflow to inf): UE8M0's
+    round-up at 2^120, E8M0's clamp at byte 254, as the reference has them."""
+    layout = quant.FORMAT_SPECS[fmt].layouts[-1]
+    outs = []
+    for backend in ("reference", "triton"):
+        op = _op(backend, fmt, layout, 256, torch.float32)
+        x, r, w = _inputs(2, 256, torch.float32, special=False)
+        w[5], w[200] = 1e38, -3e38
+        outs.append(op(x, r, w))
+        op.close()
+    a, b = outs
+    assert torch.equal(_bits(a.quant.data), _bits(b.quant.data))
+    assert torch.equal(_bits(a.quant.scale), _bits(b.quant.scale))

@@ -255,3 +255,28 @@ def test_explain_says_why_each_backend_serves_the_formats_or_not():
         if "example" in {b.name for b in arnorm.backends()}:  # the example plugin declares fp8 only
             assert f"quant: {fmt} (needs fp8_per_token, fp8_static or none)" in text
         assert re.search(r"^triton\s+100\s+selected", text, re.M)
+
+
+@pytest.mark.parametrize("fmt", POW2)
+def test_ue8m0_scales_stay_finite_up_to_fp32_max_and_inf_is_byte_255(fmt):
+    """UE8M0 overflow: the largest finite group maximum (fp32 max) rounds its scale up to 2^120, a
+    finite power of two (an exponent byte of 247); only an infinite maximum gives scale inf, byte
+    255 in the packed layout (which decodes to NaN, as E8M0's 0xFF does). Never a scale of 0 or NaN."""
+    g = quant.FORMAT_SPECS[fmt].block_size
+    top = torch.finfo(torch.float32).max
+    y = torch.ones(3, 4 * g)
+    y[0, 1] = top
+    y[1, 2] = -top
+    y[2, 3] = float("inf")
+    q = quant.quantize(y, fmt)
+    assert q.scale[0, 0].item() == q.scale[1, 0].item() == 2.0**120
+    assert q.scale[2, 0].item() == math.inf
+    assert q.scale[:, 1:].eq(quant.quantize(torch.ones(1, g), fmt).scale.item()).all()
+    # fp32 max / 2^120 is just under 256, which e4m3 rounds to: the round-up leaves headroom.
+    assert q.data.float()[0, 1].item() == 256.0 and q.data.float()[1, 2].item() == -256.0
+    packed = quant.quantize(y, fmt, layout="packed_ue8m0").scale.view(torch.uint8).view(-1, 4)
+    assert packed[:3, 0].tolist() == [247, 247, 255]
+    decoded = quant.dequantize(quant.quantize(y, fmt, layout="packed_ue8m0"))
+    # 256 * 2^120 is 2^128: the decode's one fp32 product overflows to +-inf there, never NaN.
+    assert decoded[0, 1].item() == math.inf and decoded[1, 2].item() == -math.inf
+    assert not torch.isnan(decoded[:2]).any() and torch.isnan(decoded[2, :g]).all()

@@ -90,3 +90,15 @@ def test_codes_are_the_e2m1_rounding_of_the_scaled_block(seed):
         s = quant.quantize(y, "mxfp4", layout=layout)
         assert torch.equal(s.data, q.data) and torch.equal(quant.unswizzle_128x4(s.scale, 3, 2), q.scale)
         assert torch.equal(quant.dequantize(s), quant.dequantize(q))
+
+
+def test_the_e8m0_scale_clamps_at_its_top_never_overflowing():
+    """A block maximum at fp32 max rounds (step 2) to inf, which clamps to u = 127 (byte 254): never
+    byte 255 (E8M0's NaN). Its element is 2.0 at that scale (code 4); the rest of the block scales to
+    zero or a subnormal and rounds to 0."""
+    top = torch.finfo(torch.float32).max
+    q = quant.quantize(block([top, -top, 1.0]), "mxfp4")
+    assert q.scale.tolist() == [[254]]
+    assert codes(q)[:3] == [0x4, 0xC, 0x0]
+    big = quant.quantize(block([2.0**127]), "mxfp4")  # exactly a power of two: u = 125, byte 252
+    assert big.scale.tolist() == [[252]] and codes(big)[0] == 0x6

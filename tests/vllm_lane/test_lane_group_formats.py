@@ -230,7 +230,7 @@ def chain_report(request):
 
 
 @pytest.mark.slow
-def test_drop_in_matches_vllms_all_reduce_norm_and_quantizer(chain_report):
+def test_drop_in_matches_vllms_whole_chain_at_tp1_and_tp2(chain_report):
     """At TP 1 and 2 (vLLM's parallel state over gloo): arnorm's quant entry point against vLLM's
     tensor_model_parallel_all_reduce, its GemmaRMSNorm, then its per_token_group_quant_fp8 or
     mxfp4_quantize. Codes, scales, normed and residual bit for bit on every rank, vLLM's
