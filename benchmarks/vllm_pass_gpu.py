@@ -44,9 +44,8 @@ def checkpoint(root: str) -> str:
 
 def _report(worker: object) -> dict:
     from arnorm.integrations import vllm as av
-    from arnorm.integrations._vllm_pass import reports
 
-    return {"served": av.served_calls(), "graphs": reports()}
+    return {"served": av.served_calls(), "graphs": av.compile_pass_reports()}
 
 
 def run_one(path: str) -> dict:

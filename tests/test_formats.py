@@ -48,7 +48,6 @@ CORE_MODULES_NAMING_FORMATS = {
     "arnorm/integrations/_vllm_types.py": "vLLM's key names of the formats vLLM has",
     "arnorm/integrations/vllm.py": "vLLM's per-format entry points",
     "arnorm/integrations/_vllm_pass_table.py": "the quant ops vLLM's graphs emit after a norm, per format",
-    "arnorm/integrations/_vllm_pass_op.py": "which tails take a caller's scale (vLLM's static scale ops)",
 }
 
 #: The backends' modules that spell a format's name: what each serves and its kernels per format.

@@ -44,6 +44,7 @@ CORE_MODULES_NAMING_OPTIONS = {
     "arnorm/integrations/_hf_inspect.py": "the rounding order of Hugging Face's norm classes",
     "arnorm/integrations/_vllm_norms.py": "the arithmetics vLLM's norms are probed against",
     "arnorm/integrations/vllm.py": "the unfused fallback computes the probed vLLM arithmetic",
+    "arnorm/integrations/_vllm_pass_op.py": "the arithmetic of the seam ops the compile pass replaces",
 }
 
 #: The backends' modules that spell an option's name: what each serves, and its kernels.

@@ -62,6 +62,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "allreduce_gemma_rms_norm_mxfp8",
     "close",
+    "compile_pass_reports",
     "configure",
     "fused_allreduce_gemma_rms_norm",
     "fused_allreduce_gemma_rms_norm_quant",
@@ -128,6 +129,18 @@ def served_calls(reset: bool = False) -> dict[str, dict[str, int]]:
     if reset:
         _tally.clear()
     return out
+
+
+def compile_pass_reports(reset: bool = False) -> list[dict[str, Any]]:
+    """What arnorm's compile pass did to each graph it rewrote in this process (the last 64),
+    oldest first: ``{"fused": [seam kinds], "left": [why each seam left to vLLM was left],
+    "unexpected": why the graph was left alone, or None, "remaining": seams still unfused}``.
+    Empty where no pass ran here (a cache hit runs none: the cached graph is already rewritten).
+    ``reset``: start afresh."""
+    import sys
+
+    module = sys.modules.get("arnorm.integrations._vllm_pass")  # loaded only where a pass exists
+    return module.reports(reset) if module is not None else []
 
 
 def _offset_of(norm: Any) -> float:

@@ -95,7 +95,7 @@ def test_static_reasons():
     gpu16 = type(gpu1)(**{**{f: getattr(gpu1, f) for f in gpu1.__dataclass_fields__}, "world_size": 16})
     assert check_capabilities(CAPABILITIES, gpu16) == ("world size: 16 (needs 2, 3, 4, 5, 6, 7 or 8)",)
     # Everything else triton serves, triton_symm serves too.
-    for field in ("dtypes", "quant", "scale_layouts", "round_before_weight", "strided_rows", "max_hidden"):
+    for field in ("dtypes", "quant", "scale_layouts", "norm_options", "strided_rows", "max_hidden"):
         from arnorm_triton._plugin import CAPABILITIES as TRITON
 
         assert getattr(CAPABILITIES, field) == getattr(TRITON, field)
