@@ -51,7 +51,9 @@ def _scale_groups(group: int, layout: str) -> Callable[[Any, Any], tuple[tuple[A
         if layout == "column_major":
             return (cols, t), "float32"
         if layout == "column_major_tma":
-            return (cols, (t + 3) // 4 * 4), "float32"
+            # vLLM's get_tma_aligned_size(T, 4), written as it writes it (``-(T // -4) * 4``) so that
+            # a symbolic T gives the very expression its buffer's stride holds.
+            return (cols, -(t // -4) * 4), "float32"
         return (t, cols), "float32"
 
     like.__name__ = f"_scale_groups_{group}_{layout}"

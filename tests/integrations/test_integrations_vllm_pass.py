@@ -400,7 +400,7 @@ def _group_scale_buffer(t, h, group, layout):
     if layout == "column_major":
         return torch.empty(cols, t).permute(-1, -2)
     if layout == "column_major_tma":
-        return torch.empty_strided((t, cols), (1, (t + 3) // 4 * 4))
+        return torch.empty_strided((t, cols), (1, -(t // -4) * 4))  # get_tma_aligned_size(t, 4)
     return torch.empty(t, cols)
 
 
@@ -427,10 +427,10 @@ def _group_model(fmt, layout, flags=None):
     return model
 
 
-def _trace(model, args):
+def _trace(model, args, mode="fake"):
     """``model``'s graph as a post-grad graph holds it: outputs nobody reads dropped (Inductor's
     post-grad passes remove them before the custom post pass runs)."""
-    gm = make_fx(model, tracing_mode="fake")(*args)
+    gm = make_fx(model, tracing_mode=mode)(*args)
     gm.graph.eliminate_dead_code()
     return gm
 
@@ -466,6 +466,16 @@ def test_a_per_token_group_fp8_tail_is_fused_bitwise_with_vllms_strides(fake_vll
     for got, want in zip(gm(*args), model(*args), strict=True):
         assert _same_tensor(got, want)
     assert av.served_calls()[pass_op.ENTRY] == {"fused": 1}
+
+
+@pytest.mark.parametrize("layout", ["column_major", "column_major_tma"])
+def test_a_group_tail_is_matched_with_a_symbolic_token_count(fake_vllm, layout):
+    """vLLM compiles for a range of token counts: the buffer's strides are expressions of T, which
+    the tail's must equal as written (``-(T // -4) * 4`` for TMA), not merely at one T."""
+    model = _group_model("fp8_per_group_64_ue8m0", layout)
+    gm = _trace(model, _group_inputs(torch.float16, 5), "symbolic")
+    kinds = [s.kind() for s in rewrite.plan(gm.graph).seams]
+    assert kinds == [f"add_rms_norm+fp8_per_group_64_ue8m0@{layout}"]
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 17])
