@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from arnorm._norm import NORM_OPTIONS, NormOptionName
 
-__all__ = ["Problem"]
+__all__ = ["OUTPUT_LAYOUTS", "OutputLayout", "Problem"]
+
+#: Where an op's outputs go. ``"separate"``: the normed output in a tensor of its own (new, or
+#: ``out=``'s), the new residual over ``hidden_states`` (``inplace=True``) or in a new tensor.
+#: ``"in_place"``: the normed output over ``hidden_states`` and the new residual over ``residual``,
+#: as vLLM's ``fused_add_rms_norm`` and FlashInfer's ``fused_add_rmsnorm`` write them: a call
+#: touches two ``[T, H]`` tensors instead of three.
+OutputLayout = Literal["separate", "in_place"]
+OUTPUT_LAYOUTS: tuple[OutputLayout, ...] = get_args(OutputLayout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +32,8 @@ class Problem:
     (``RMSNorm.with_options(p.eps, p.weight_offset, p.norm_options)`` is the norm itself).
     ``add_residual=False``: an all-reduce + norm with no residual add (calls pass ``residual=None``;
     the new residual is the reduced sum itself).
+    ``output_layout``: where the outputs go (:data:`OUTPUT_LAYOUTS`); ``"in_place"`` comes with
+    ``inplace=True`` and ``add_residual=True``.
     ``batch_invariant``: ``Config(batch_invariant=True)``: a row's outputs must not depend on the
     token count or the path serving it (only backends declaring ``Capabilities.batch_invariant``
     serve it, and they run their invariant path).
@@ -45,8 +56,12 @@ class Problem:
     norm_options: frozenset[NormOptionName] = frozenset()
     add_residual: bool = True
     batch_invariant: bool = False
+    output_layout: OutputLayout = "separate"
 
     def __post_init__(self) -> None:
+        if self.output_layout not in OUTPUT_LAYOUTS:
+            choices = ", ".join(OUTPUT_LAYOUTS)
+            raise ValueError(f"output_layout: {self.output_layout!r} (needs one of {choices})")
         unknown = sorted(set(self.norm_options) - set(NORM_OPTIONS))
         if unknown:
             raise ValueError(f"norm_options: {unknown} (needs names of {', '.join(NORM_OPTIONS)})")
@@ -67,7 +82,8 @@ class Problem:
         layout = f"/{self.scale_layout}" if self.scale_layout else ""
         residual = "" if self.add_residual else " no-residual"
         invariant = " batch-invariant" if self.batch_invariant else ""
+        in_place = " in-place" if self.output_layout == "in_place" else ""
         return (
             f"tp={self.world_size} hidden={self.hidden_size} {self.dtype} "
-            f"quant={self.quant_name}{layout} {norm}{residual}{invariant} {self.platform}"
+            f"quant={self.quant_name}{layout} {norm}{residual}{in_place}{invariant} {self.platform}"
         )

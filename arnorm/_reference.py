@@ -172,6 +172,11 @@ class ReferenceBackend:
             reduced = rank_order_sum(self._comm.all_gather(hidden_states))
         h, y = apply_norm(reduced, residual, weight, self._norm, batch_invariant=p.batch_invariant)
         q = quantize_output(y, p.quant, scale, p.scale_layout)
+        if p.output_layout == "in_place":
+            assert residual is not None  # the op refuses the layout without a residual add
+            residual.copy_(h)
+            normed = hidden_states.copy_(y) if p.normed_output else None
+            return Output(normed, residual, q)
         if p.inplace:
             h = hidden_states.copy_(h)
         elif h is hidden_states:  # no residual at TP 1: the output is a new tensor all the same

@@ -224,7 +224,7 @@ class FlashInferBackend:
         oneshot = self._oneshot.get(num_tokens, _UNSET)
         if oneshot is _UNSET:
             oneshot = self._oneshot_for(num_tokens)
-        kw, out = self._outputs.allocate(hidden_states, scale)
+        kw, out = self._outputs.allocate(hidden_states, scale, residual)
         self._fused(
             input=hidden_states,
             workspace=self._workspace,

@@ -19,7 +19,10 @@ layout defines it as zero.
 
 ``residual_out`` is ``hidden_states`` when the op is in place (the kernel reads each element of
 its input before it writes the same element from the same thread, in one-shot and two-shot alike),
-else a new ``[T, H]`` buffer: one allocation per call, no copy.
+else a new ``[T, H]`` buffer: one allocation per call, no copy. In the in-place output layout
+(``Problem.output_layout == "in_place"``) ``residual_out`` is ``residual_in`` and ``norm_out`` is
+``input``, the aliasing vLLM's own FlashInfer fusion passes in production, by the same per-thread
+argument: no ``[T, H]`` buffer is allocated at all.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class CallPlan:
         "_data_dtype",
         "_scale_dtype",
         "hidden",
+        "in_place",
         "inplace",
         "layout",
         "norm_out",
@@ -64,6 +68,7 @@ class CallPlan:
             self.layout = problem.scale_layout or self.spec.default_layout
         self.hidden = problem.hidden_size
         self.inplace = problem.inplace
+        self.in_place = problem.output_layout == "in_place"
         self.return_normed = problem.normed_output
         # kARResidualRMSNorm always writes the norm: without quant it needs a norm_out buffer.
         self.norm_out = problem.normed_output or problem.quant is None
@@ -71,13 +76,20 @@ class CallPlan:
         scale_dtype = self.spec.scale_dtype if self.spec else None
         self._scale_dtype = getattr(torch, scale_dtype) if scale_dtype else None
 
-    def allocate(self, x: torch.Tensor, scale: torch.Tensor | None) -> tuple[dict[str, Any], Output]:
-        """FlashInfer's output keyword arguments for input ``x``, and the ``Output`` they fill."""
+    def allocate(
+        self, x: torch.Tensor, scale: torch.Tensor | None, residual: torch.Tensor | None = None
+    ) -> tuple[dict[str, Any], Output]:
+        """FlashInfer's output keyword arguments for input ``x`` (and ``residual``, written over in
+        the in-place layout), and the ``Output`` they fill."""
         import torch
 
         rows, device = x.shape[0], x.device
-        res = x if self.inplace else torch.empty_like(x)
-        norm = torch.empty_like(x) if self.norm_out else None
+        if self.in_place:
+            assert residual is not None  # the op refuses the layout without a residual add
+            res, norm = residual, (x if self.norm_out else None)
+        else:
+            res = x if self.inplace else torch.empty_like(x)
+            norm = torch.empty_like(x) if self.norm_out else None
         # ``output`` (the plain all-reduce result) is written by pattern 0 only; passing the
         # residual buffer spares FlashInfer an allocation, and were it ever written, the same
         # thread stores the residual over it afterwards.

@@ -34,6 +34,9 @@ CAPABILITIES = Capabilities(
     # a cluster by the token count (adjust_for_sm_count), which reorders the sum of squares, and
     # only the one-shot kernel turns -0.0 inputs into +0.0.
     batch_invariant=False,
+    # residual_out may be residual_in and norm_out be input (_outputs.CallPlan): the kernel reads an
+    # element before the same thread writes it, and vLLM's own fusion passes exactly that aliasing.
+    output_layouts=frozenset({"separate", "in_place"}),
 )
 
 

@@ -80,6 +80,8 @@ class TritonBackend:
         self._exact = exact and self._world > 1
         self._inplace = problem.inplace
         self._normed = problem.normed_output
+        #: The normed output over hidden_states, the new residual over residual (no y to allocate).
+        self._in_place = problem.output_layout == "in_place"
         self._quant = problem.quant
         self._hidden = h = problem.hidden_size
         self._max_tokens = problem.max_tokens
@@ -95,7 +97,7 @@ class TritonBackend:
             dtype=self._dtype,
             quant=problem.quant,
             layout=problem.scale_layout,
-            normed=problem.normed_output,
+            normed=problem.normed_output and not self._in_place,
             device=self._device,
         )
         # The launch table's warp count changes with T, and with it the order of the sum of
@@ -202,6 +204,8 @@ class TritonBackend:
         scale = torch.tensor([0.5], dtype=torch.float32, device=self._device)
         h_out = torch.empty((t, h), dtype=self._dtype, device=self._device)
         y, q, sf = self._alloc(t)
+        if self._in_place and self._normed:  # the call writes y over the rows it read
+            y = torch.empty((t, h), dtype=self._dtype, device=self._device)
         tensors = (x, res, w, scale, h_out, y, q, sf)
         outputs = [o for o in (h_out, y, q, sf) if o is not None]
         configs = self._launcher.configs(self._max_tokens)
@@ -225,6 +229,9 @@ class TritonBackend:
         scale: torch.Tensor | None,
         out: Output | None = None,
     ) -> Output:
+        if self._in_place:
+            assert residual is not None  # the op refuses the layout without a residual add
+            return self._call_in_place(hidden_states, residual, weight, scale, out)
         t = hidden_states.shape[0]
         hidden = self._hidden
         # Row strides; a single row's stride is never used (and may be anything): pass H.
@@ -270,6 +277,47 @@ class TritonBackend:
         self._launch(x, residual, weight, scale, h_out, y, q, sf, t, xs, rs, hs)
         return self._output(y, h_out, q, sf, scale)
 
+    def _call_in_place(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+        out: Output | None,
+    ) -> Output:
+        """The in-place layout: the kernel reads a row of the sum and of the residual whole before
+        its first store, so it writes the new residual over that residual row and the normed
+        output over the row of ``hidden_states`` (which holds the reduced sum by then)."""
+        t = hidden_states.shape[0]
+        hidden = self._hidden
+        xs = hidden_states.stride(0) if t > 1 else hidden
+        rs = residual.stride(0) if t > 1 else hidden
+        packed = xs == hidden  # the kernel writes y at row stride H
+        if self._world == 1:
+            x = hidden_states
+        elif self._exact:
+            assert self._gather is not None
+            x = self._gather[: self._world * t * hidden].view(self._world * t, hidden)
+            self._comm.all_gather_into(x, hidden_states)
+            xs = hidden
+        elif packed:
+            x = self._comm.all_reduce_(hidden_states)
+        else:
+            x = self._comm.all_reduce_(hidden_states.new_empty(t, hidden).copy_(hidden_states))
+            xs = hidden
+        y = None
+        if self._normed:
+            y = hidden_states if packed else hidden_states.new_empty(t, hidden)
+        if out is None:
+            _, q, sf = self._alloc(t)
+        else:
+            oq = out.quant
+            q, sf = (None, None) if oq is None else (oq.data, oq.scale if self._own_scales else None)
+        self._launch(x, residual, weight, scale, residual, y, q, sf, t, xs, rs, rs)
+        if y is not None and y is not hidden_states:
+            y = hidden_states.copy_(y)
+        return self._output(y, residual, q, sf, scale)
+
     def fast_path(self) -> Any:
         """The call from the core's pointers at TP 1 (``None`` at TP > 1, where the all-reduce
         needs the tensors): the arguments arrive checked and contiguous, so this reads only its
@@ -280,6 +328,8 @@ class TritonBackend:
         alloc, output, own_scales = self._alloc, self._output, self._own_scales
         inplace, h = self._inplace, self._hidden
         go, launch = self._launcher.rows_launcher(), self._launcher.launch
+        if self._in_place:
+            return self._fast_in_place(go, launch)
 
         def fast(t: int, x: Any, res: Any, w: Any, scale: Any, out: Output | None, xp: int, rp: int, wp: int,
                  sp: int) -> Output:  # fmt: skip
@@ -299,6 +349,28 @@ class TritonBackend:
             if not go(t, xp, rp, wp, sp or hp, hp, yp, qp, sfp):
                 launch(x, res, w, scale, h_out, y, q, sf, t, h, h, h)
             return output(y, h_out, q, sf, scale)
+
+        return fast
+
+    def _fast_in_place(self, go: Any, launch: Any) -> Any:
+        """:meth:`fast_path` for the in-place layout: contiguous rows (the core's promise to a
+        fast path), the new residual over ``res``, the normed output over ``x``."""
+        alloc, output, own_scales = self._alloc, self._output, self._own_scales
+        normed, h = self._normed, self._hidden
+
+        def fast(t: int, x: Any, res: Any, w: Any, scale: Any, out: Output | None, xp: int, rp: int, wp: int,
+                 sp: int) -> Output:  # fmt: skip
+            if out is None:
+                _, q, sf = alloc(t)
+            else:
+                oq = out[2]
+                q, sf = (None, None) if oq is None else (oq.data, oq.scale if own_scales else None)
+            y = x if normed else None
+            qp = rp if q is None else q.data_ptr()
+            sfp = rp if sf is None else sf.data_ptr()
+            if not go(t, xp, rp, wp, sp or rp, rp, xp if normed else rp, qp, sfp):
+                launch(x, res, w, scale, res, y, q, sf, t, h, h, h)
+            return output(y, res, q, sf, scale)
 
         return fast
 

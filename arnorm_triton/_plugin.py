@@ -44,6 +44,9 @@ CAPABILITIES = Capabilities(
     # default path's NCCL all-reduce sums in an order that depends on its algorithm and the size,
     # and its launch table changes the warp count (so the sum of squares' order) with T.
     batch_invariant=True,
+    # The kernel loads a row whole before its first store, so the normed output may go over the
+    # row it read and the new residual over the residual row (vLLM's and FlashInfer's layout).
+    output_layouts=frozenset({"separate", "in_place"}),
 )
 
 

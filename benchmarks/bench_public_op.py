@@ -12,16 +12,27 @@ Measured in one run, bf16, plain RMSNorm (FlashInfer's kernels are the plain nor
    timed in interleaved rounds, so host noise falls on all of them alike.
 2. **CUDA-graph replay** of ``--calls`` back-to-back calls (launch gaps removed; median of
    ``--replays``, microseconds per call) for every T, H and format, with and without the normed
-   output; programmatic dependent launch off for comparison at decode sizes.
+   output, in each output layout of ``--layouts`` (``separate``: the normed output in a tensor of
+   its own; ``in_place``: over ``hidden_states``, the new residual over ``residual``, as FlashInfer
+   writes them), L2 cold then hot (``--l2``):
+
+   - **cold**: the graph cycles through enough buffer sets (inputs, weight and scale; outputs come
+     from the graph's pool as in an engine) that between two uses of one set the calls touch more
+     than twice the L2 (its size read from the device): every call finds its inputs in DRAM, as a
+     norm between two GEMMs of a model does (the GEMMs stream their weights through L2).
+   - **hot**: one buffer set replayed, whose inputs stay in L2 from one call to the next where
+     they fit (today's figure, and the best case).
+
+   Programmatic dependent launch off for comparison at decode sizes (hot).
 3. **Fraction of copy bandwidth** at T >= 8192: the bytes a variant must move over the best
    device-to-device copy measured in the same run (a Triton copy kernel and torch's copies, read
    + write; ``copy_`` alone is a memcpy that a graph runs well below the card's peak).
 
-Targets (issues 14, 43), marked per row: eager within 1.2x of FlashInfer; graph replay at or below
-FlashInfer at every T (same outputs); NVFP4 (every format reported) >= 0.90 of copy bandwidth at
-T >= 8192. Writes ``public-op-<date>-<gpu>.md`` and ``.json`` to ``--out`` (default ``$OUT`` or
-``benchmarks/results``). ``--smoke``: CPU, Triton interpreter, tiny shapes, no timing claims (a
-test runs it so the script cannot rot). On the GPU host, from the repository root::
+Targets, marked per row: eager within 1.2x of FlashInfer; graph replay at or below FlashInfer at
+every T (same outputs, cold against cold, hot against hot); NVFP4 (every format reported) >= 0.90
+of copy bandwidth at T >= 8192. Writes ``public-op-<date>-<gpu>.md`` and ``.json`` to ``--out``
+(default ``$OUT`` or ``benchmarks/results``). ``--smoke``: CPU, Triton interpreter, tiny shapes, no
+timing claims (a test runs it so the script cannot rot). On the GPU host, from the repository root::
 
     python benchmarks/bench_public_op.py
     python benchmarks/bench_public_op.py --no-eager --hidden 8192 --tokens 1024 --formats none  # one cell
@@ -60,6 +71,18 @@ FORMATS: dict[str, tuple[str | None, str | None]] = {
 }
 #: The FlashInfer kernel with the same outputs as an arnorm variant (format, normed output).
 FI_RIVAL = {("none", True): "fi_fused_add_rmsnorm", ("fp8_static", False): "fi_fused_add_rmsnorm_quant"}
+#: The op's output layouts (``AllReduceNorm(output_layout=...)``); FlashInfer's calls are ``in_place``.
+LAYOUTS = ("separate", "in_place")
+#: L2 states a graph cell is timed in, in report order.
+L2_MODES = ("cold", "hot")
+#: Cold: between two uses of one buffer set, the calls touch at least this many times the L2.
+COLD_L2_MULTIPLE = 2
+#: Cold: at most this many buffer sets (a decode cell's set is tens of KiB: thousands fill the L2).
+MAX_SETS = 4096
+#: The L2 assumed where the device does not report one (larger than any GPU's today: still cold).
+ASSUMED_L2_BYTES = 256 << 20
+#: ``--smoke``: the L2 size the rotation is sized against on CPU (no cache is measured there).
+SMOKE_L2_BYTES = 1 << 16
 
 
 def elapsed() -> float:
@@ -79,6 +102,9 @@ class CudaDevice:
 
         self.torch = torch
         self.device = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(self.device)
+        #: The L2 size the device reports (0 where torch does not say).
+        self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or 0)
 
     def sync(self) -> None:
         self.torch.cuda.synchronize()
@@ -138,6 +164,7 @@ class CpuDevice:
         import torch
 
         self.device = torch.device("cpu")
+        self.l2_bytes = SMOKE_L2_BYTES
 
     def sync(self) -> None:
         return None
@@ -200,6 +227,46 @@ def bytes_moved(t: int, h: int, fmt: str, normed: bool, elem: int = 2) -> int:
     return total + (4 if spec.takes_scale else 0)
 
 
+def footprint(t: int, h: int, fmt: str, normed: bool, layout: str = "separate", elem: int = 2) -> int:
+    """Distinct bytes one call of an in-place op touches, which is what must fit in L2 for a
+    replayed call to find its inputs there: :func:`bytes_moved` less one ``[T, H]`` tensor (the new
+    residual goes over ``hidden_states``, or in the ``in_place`` layout over ``residual``), and
+    less another where the normed output goes over ``hidden_states`` (``in_place``: the same bytes
+    move through two ``[T, H]`` tensors where ``separate`` uses three)."""
+    total = bytes_moved(t, h, fmt, normed, elem) - t * h * elem
+    if normed and layout == "in_place":
+        total -= t * h * elem
+    return total
+
+
+def buffer_sets(l2_bytes: int, set_bytes: int, max_sets: int = MAX_SETS) -> int:
+    """Buffer sets a cold cell cycles through: enough that the other sets touched between two uses
+    of one set hold ``COLD_L2_MULTIPLE`` times the L2 (so none of its lines survive), at least 2,
+    at most ``max_sets``."""
+    if set_bytes <= 0:
+        raise ValueError(f"set_bytes: {set_bytes} (needs > 0)")
+    need = -(-COLD_L2_MULTIPLE * max(l2_bytes, 0) // set_bytes) + 1
+    return max(2, min(max_sets, need))
+
+
+def rotation(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
+    """One callable that makes the calls of ``calls`` in turn, one per call, cycling."""
+    state = [0]
+    n = len(calls)
+
+    def call() -> Any:
+        i = state[0]
+        state[0] = (i + 1) % n
+        return calls[i]()
+
+    return call
+
+
+def calls_per_graph(calls: int, sets: int) -> int:
+    """At least ``calls`` calls, a whole number of turns through ``sets`` buffer sets."""
+    return sets * -(-max(calls, 1) // sets)
+
+
 # -- the contenders -----------------------------------------------------------------------------
 
 
@@ -218,6 +285,14 @@ class Inputs:
         scales = {"fp8_static": 0.02, "nvfp4": 448.0 * 6.0 / 8.0}
         self.scale = torch.tensor([scales[fmt]], device=d) if fmt in scales else None
 
+    def copy(self) -> Inputs:
+        """Another buffer set with the same values (a cold cell's rotation)."""
+        other = object.__new__(Inputs)
+        other.t, other.h, other.fmt = self.t, self.h, self.fmt
+        other.x, other.r, other.w = self.x.clone(), self.r.clone(), self.w.clone()
+        other.scale = None if self.scale is None else self.scale.clone()
+        return other
+
 
 def make_op(
     dev: Any,
@@ -228,6 +303,7 @@ def make_op(
     pdl: bool = True,
     inplace: bool = True,
     layout: str | None = None,
+    output_layout: str = "separate",
 ) -> Any:
     """The public op at TP 1 for one cell; ``layout`` overrides the format's scale layout."""
     import torch
@@ -235,13 +311,15 @@ def make_op(
     import arnorm
 
     quant, layout = FORMATS[fmt][0], layout or FORMATS[fmt][1]
+    # Only where asked: an op of an older arnorm without the keyword still builds the default.
+    extra = {} if output_layout == "separate" else {"output_layout": output_layout}
     config = None
     if not pdl:
         config = arnorm.Config(settings={"triton": {"pdl": False}})
     return arnorm.AllReduceNorm(
         arnorm.LOCAL, hidden_size=h, dtype=torch.bfloat16, norm=arnorm.RMSNorm(EPS), quant=quant,
         scale_layout=layout, max_tokens=max_tokens, normed_output=normed, device=dev.device, config=config,
-        inplace=inplace,
+        inplace=inplace, **extra,
     )  # fmt: skip
 
 
@@ -251,8 +329,8 @@ def check_op(op: Any, inp: Inputs) -> str:
 
     from arnorm.plugin import add_rmsnorm
 
-    x = inp.x.clone()
-    out = op(x, inp.r, inp.w, inp.scale)
+    x, r = inp.x.clone(), inp.r.clone()
+    out = op(x, r, inp.w, inp.scale)
     h_ref, y_ref = add_rmsnorm(inp.x, inp.r, inp.w, EPS, 0.0)
     if not torch.equal(out.residual, h_ref):
         return "FAIL residual"
@@ -396,46 +474,92 @@ def prebuilt_launch(launcher: Any, tensors: tuple[Any, ...], h: int) -> Callable
     return functools.partial(run, *full)
 
 
+def graph_cell(dev: Any, args: argparse.Namespace, make_call: Callable[[Inputs], Callable[[], Any]],
+               inp: Inputs, set_bytes: int, modes: list[str]) -> dict[str, tuple[float, int]]:  # fmt: skip
+    """``{mode: (us per call, buffer sets)}`` of one contender on one cell, for each mode of
+    ``modes`` (cold: :func:`buffer_sets` sets in rotation; hot: ``inp`` alone). ``make_call``
+    builds the call on one buffer set (FlashInfer's clones its tensors: its own set)."""
+    timed: dict[str, tuple[float, int]] = {}
+    for mode in modes:
+        if mode == "hot":
+            timed[mode] = (dev.graph_us(make_call(inp), args.calls, args.replays), 1)
+            continue
+        sets = buffer_sets(dev.l2_bytes, set_bytes, args.max_sets)
+        calls = [make_call(inp if i == 0 else inp.copy()) for i in range(sets)]
+        us = dev.graph_us(rotation(calls), calls_per_graph(args.calls, sets), args.replays)
+        del calls
+        timed[mode] = (us, sets)
+    return timed
+
+
 def graph_section(args: argparse.Namespace, dev: Any, fi: Any, bw: float, report: dict) -> None:
-    """Graph replay for every (H, format, normed, T); FlashInfer where it has the same outputs."""
+    """Graph replay for every (H, format, normed, layout, T), L2 cold and hot; FlashInfer where it
+    has the same outputs."""
     rows, errors, checks = report["graph"], report["errors"], report["checks"]
     P = functools.partial
-    variants = [(f, n) for f in args.formats for n in (True, False) if not (f == "none" and not n)]
+    variants = [(f, n) for f in args.formats for n in args.normed if not (f == "none" and not n)]
     for tokens in (args.small_tokens, args.large_tokens):
         if not tokens:
             continue
         for h in args.hidden:
             for fmt, normed in variants:
-                where = f"graph H={h} {fmt} normed={normed}"
-                if elapsed() > args.deadline:
-                    report["skipped"].append(f"{where} T={tokens} (deadline)")
-                    continue
-                try:
-                    largest = max(args.small_tokens + args.large_tokens)
-                    op = make_op(dev, h, fmt, normed, max_tokens=largest)
-                    t_check = min(7, largest)
-                    checks[f"H={h} {fmt} normed={normed}"] = check_op(op, Inputs(dev, t_check, h, fmt))
-                except Exception as exc:
-                    errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    print(f"  {where} failed: {errors[where]}", flush=True)
+                ops = {}
+                wide = args.wide_formats is None or fmt in args.wide_formats
+                for layout in args.layouts if wide else args.layouts[:1]:
+                    where = f"graph H={h} {fmt} normed={normed} {layout}"
+                    if elapsed() > args.deadline:
+                        report["skipped"].append(f"{where} T={tokens} (deadline)")
+                        continue
+                    try:
+                        largest = max(args.small_tokens + args.large_tokens)
+                        op = make_op(dev, h, fmt, normed, max_tokens=largest, output_layout=layout)
+                        t_check = min(7, largest)
+                        key = f"H={h} {fmt} normed={normed}" + ("" if layout == "separate" else f" {layout}")
+                        checks[key] = check_op(op, Inputs(dev, t_check, h, fmt))
+                        ops[layout] = op
+                    except Exception as exc:
+                        errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                        print(f"  {where} failed: {errors[where]}", flush=True)
+                if not ops:
                     continue
                 for t in tokens:
+                    if elapsed() > args.deadline:
+                        report["skipped"].append(f"graph H={h} {fmt} normed={normed} T={t} (deadline)")
+                        continue
                     inp = Inputs(dev, t, h, fmt)
-                    call = P(op, inp.x.clone(), inp.r, inp.w, inp.scale)
-                    base = {"T": t, "H": h, "format": fmt, "normed": normed}
-                    base["bytes"] = bytes_moved(t, h, fmt, normed)
-                    timer = P(dev.graph_us, call, args.calls, args.replays)
-                    record(rows, errors, f"{where} T={t}", timer, **base, impl=f"arnorm ({op.backend})")
-                    rival = fi_call(fi, inp, normed)
-                    if rival is not None:
-                        timer = P(dev.graph_us, rival, args.calls, args.replays)
-                        record(rows, errors, f"{where} T={t} fi", timer, **base, impl=FI_RIVAL[(fmt, normed)])
-                op.close()
-                print(f"[{elapsed():6.1f}s] {where} T={tokens}", flush=True)
+                    modes = args.l2 if wide else args.l2[-1:]
+                    base = {
+                        "T": t,
+                        "H": h,
+                        "format": fmt,
+                        "normed": normed,
+                        "bytes": bytes_moved(t, h, fmt, normed),
+                    }
+                    for layout, op in ops.items():
+                        where = f"graph H={h} {fmt} normed={normed} {layout} T={t}"
+                        cell = base | {"layout": layout, "footprint": footprint(t, h, fmt, normed, layout)}
+
+                        def arnorm_call(i: Inputs, op: Any = op) -> Callable[[], Any]:
+                            return P(op, i.x.clone(), i.r, i.w, i.scale)
+
+                        timer = P(graph_cell, dev, args, arnorm_call, inp, cell["footprint"], modes)
+                        record_modes(rows, errors, where, timer, **cell, impl=f"arnorm ({op.backend})")
+                    if fi_call(fi, inp, normed) is not None:
+                        cell = base | {
+                            "layout": "in_place",
+                            "footprint": footprint(t, h, fmt, normed, "in_place"),
+                        }
+                        fi_make = P(fi_call, fi, normed=normed)
+                        timer = P(graph_cell, dev, args, fi_make, inp, cell["footprint"], modes)
+                        where = f"graph H={h} {fmt} normed={normed} T={t} fi"
+                        record_modes(rows, errors, where, timer, **cell, impl=FI_RIVAL[(fmt, normed)])
+                for op in ops.values():
+                    op.close()
+                print(f"[{elapsed():6.1f}s] graph H={h} {fmt} normed={normed} T={tokens}", flush=True)
     if elapsed() > args.deadline:
         report["skipped"].append("pdl off (deadline)")
         return
-    if not args.small_tokens:
+    if not args.small_tokens or args.no_pdl_off:
         return
     for h in args.hidden:
         for fmt, normed in (("none", True), ("fp8_static", False)):
@@ -448,25 +572,27 @@ def graph_section(args: argparse.Namespace, dev: Any, fi: Any, bw: float, report
                 continue
             for t in args.small_tokens:
                 inp = Inputs(dev, t, h, fmt)
-                base = {
-                    "T": t,
-                    "H": h,
-                    "format": fmt,
-                    "normed": normed,
-                    "bytes": bytes_moved(t, h, fmt, normed),
-                }
+                base = {"T": t, "H": h, "format": fmt, "normed": normed, "layout": "separate", "l2": "hot",
+                        "bytes": bytes_moved(t, h, fmt, normed), "sets": 1}  # fmt: skip
+                base["footprint"] = footprint(t, h, fmt, normed)
                 timer = P(
                     dev.graph_us, P(op, inp.x.clone(), inp.r, inp.w, inp.scale), args.calls, args.replays
                 )
-                record(
-                    rows,
-                    errors,
-                    f"pdl off H={h} {fmt} T={t}",
-                    timer,
-                    **base,
-                    impl=f"arnorm ({op.backend}, pdl off)",
-                )
+                record(rows, errors, f"pdl off H={h} {fmt} T={t}", timer, **base,
+                       impl=f"arnorm ({op.backend}, pdl off)")  # fmt: skip
             op.close()
+
+
+def record_modes(rows: list[dict], errors: dict, where: str, fn: Callable[[], dict], **row: Any) -> None:
+    """One row per L2 mode of ``fn()`` (``{mode: (us, sets)}``); a failure is recorded and the run goes on."""
+    try:
+        timed = fn()
+    except Exception as exc:
+        errors[where] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(f"  {where} failed: {errors[where]}", flush=True)
+        return
+    for mode, (us, sets) in timed.items():
+        rows.append(row | {"l2": mode, "sets": sets, "us": round(us, 3)})
 
 
 def judge(report: dict, bw: float) -> None:
@@ -499,7 +625,11 @@ def judge(report: dict, bw: float) -> None:
             continue
         notes = []
         rival = FI_RIVAL.get((r["format"], r["normed"]))
-        same = [g for g in graph if g["impl"] == rival and (g["T"], g["H"]) == (r["T"], r["H"])]
+        mode = r.get("l2", "hot")
+        same = [
+            g for g in graph
+            if g["impl"] == rival and (g["T"], g["H"], g.get("l2", "hot")) == (r["T"], r["H"], mode)
+        ]  # fmt: skip
         if same:
             ratio = r["us"] / same[0]["us"]
             notes.append(f"{ratio:.2f}x fi " + ("met" if ratio <= 1.0 else "MISSED (target <= 1.0x)"))
@@ -516,6 +646,7 @@ def markdown(report: dict) -> str:
         "",
         f"torch {report['torch']}, triton {report['triton']}, flashinfer {report['flashinfer']}. bf16, plain "
         f"RMSNorm, eps {EPS}. `arnorm.AllReduceNorm(arnorm.LOCAL, ...)` with auto selection.",
+        f"L2: {size(report.get('l2_bytes', 0))} ({report.get('l2_source', 'device properties')}).",
         f"Copy bandwidth (best of {', '.join(f'{k} {v / 1e12:.2f}' for k, v in report['copy_bw'].items())} "
         f"TB/s; read + write): {report['copy_bw_best'] / 1e12:.2f} TB/s.",
     ]
@@ -544,24 +675,49 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {r['H']} | {r['format']} | {normed} | {r['path']} | {r['us']:.2f} | {r.get('verdict', '')} |"
         )
-    lines += [
-        "",
-        f"## CUDA-graph replay, {report['calls']} calls per graph, median of {report['replays']}",
-        "",
-    ]
-    lines += ["| T | H | format | normed out | impl | MB | us | % copy bw | verdict |"]
-    lines += ["|---:|---:|---|---|---|---:|---:|---:|---|"]
-    for r in sorted(
-        report["graph"], key=lambda r: (r["H"], list(FORMATS).index(r["format"]), not r["normed"], r["T"])
-    ):
-        normed = "yes" if r["normed"] else "no"
-        lines.append(
-            f"| {r['T']} | {r['H']} | {r['format']} | {normed} | {r['impl']} | {r['bytes'] / 1e6:.2f} | "
-            f"{r['us']:.2f} | {r['pct_bw']:.1f} | {r['verdict']} |"
-        )
+    lines += graph_tables(report)
     missed = [r for r in report["eager"] + report["graph"] if "MISSED" in r.get("verdict", "")]
     lines += ["", f"Targets missed: {len(missed)}. Run time {report['seconds']:.0f} s."]
     return "\n".join(lines) + "\n"
+
+
+def size(nbytes: int) -> str:
+    """``50 MiB``; ``64 KiB`` below a MiB."""
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def graph_tables(report: dict) -> list[str]:
+    """The graph-replay tables, L2 cold first, then hot (rows of neither mode: a run before both)."""
+    lines: list[str] = []
+    heads = {
+        "cold": f"L2 cold: buffer sets in rotation, more than {COLD_L2_MULTIPLE}x the L2 "
+        f"({size(report.get('l2_bytes', 0))}) between two uses of one set",
+        "hot": "L2 hot: one buffer set replayed (its inputs stay in L2 where they fit)",
+    }
+    order = {"none": 0, **{f: i for i, f in enumerate(FORMATS)}}
+    for mode in L2_MODES:
+        rows = [r for r in report["graph"] if r.get("l2", "hot") == mode]
+        if not rows:
+            continue
+        lines += [
+            "",
+            f"## CUDA-graph replay, {heads[mode]}; at least {report['calls']} calls per graph, "
+            f"median of {report['replays']}",
+            "",
+            "| T | H | format | normed out | layout | impl | MB moved | MB touched | sets | us | % copy bw "
+            "| verdict |",
+            "|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|---|",
+        ]
+        key = lambda r: (r["H"], order[r["format"]], not r["normed"], r["T"], r.get("layout", ""), r["impl"])  # noqa: E731
+        for r in sorted(rows, key=key):
+            normed = "yes" if r["normed"] else "no"
+            layout = r.get("layout", "separate")
+            lines.append(
+                f"| {r['T']} | {r['H']} | {r['format']} | {normed} | {layout} | {r['impl']} | "
+                f"{r['bytes'] / 1e6:.2f} | {r.get('footprint', r['bytes']) / 1e6:.2f} | {r.get('sets', 1)} | "
+                f"{r['us']:.2f} | {r.get('pct_bw', 0.0):.1f} | {r.get('verdict', '')} |"
+            )
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -581,18 +737,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=_ints, default=[1, 16, 128, 1024, 8192], help="comma-separated T")
     p.add_argument("--formats", type=_names, default=list(FORMATS), help="comma-separated formats")
     p.add_argument("--no-eager", action="store_true", help="skip the eager host-time section")
+    p.add_argument(
+        "--l2", type=_modes, default=list(L2_MODES), help="comma-separated: cold, hot (in that order)"
+    )
+    p.add_argument("--layouts", type=_layouts, default=["separate"], help="comma-separated output layouts")
+    p.add_argument("--max-sets", type=int, default=MAX_SETS, help="cold: most buffer sets in rotation")
+    p.add_argument("--no-pdl-off", action="store_true", help="skip the pdl-off rows")
+    p.add_argument(
+        "--normed", choices=("yes", "no", "both"), default="both",
+        help="quantized formats: graph rows with the normed output, without it, or both",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    args.normed = {"yes": (True,), "no": (False,), "both": (True, False)}[args.normed]
     # Decode sizes (T <= 128) are timed first, and again with programmatic dependent launch off.
     args.small_tokens = [t for t in args.tokens if t <= 128]
     args.large_tokens = [t for t in args.tokens if t > 128]
+    args.wide_formats = None  # formats timed in every layout and L2 mode (None: all)
     if args.smoke:
         args.hidden, args.small_tokens, args.large_tokens = [256], [1, 3], [5]
         args.calls, args.replays, args.iters = 2, 1, 2
+        # Every layout and L2 mode on one format only: an interpreted call takes up to a second.
+        args.layouts, args.max_sets, args.wide_formats = list(LAYOUTS), min(args.max_sets, 3), ["none"]
     return args
 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
+
+
+def _choices(flag: str, allowed: tuple[str, ...], text: str) -> list[str]:
+    names = [v for v in text.split(",") if v]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        msg = f"{flag}: {', '.join(unknown) or repr(text)} (needs some of {', '.join(allowed)})"
+        raise argparse.ArgumentTypeError(msg)
+    return [n for n in allowed if n in names]  # report order, whatever the order given
+
+
+def _modes(text: str) -> list[str]:
+    return _choices("--l2", L2_MODES, text)
+
+
+def _layouts(text: str) -> list[str]:
+    return _choices("--layouts", LAYOUTS, text)
 
 
 def _names(text: str) -> list[str]:
@@ -630,12 +817,19 @@ def main(argv: list[str] | None = None) -> int:
     fi, fi_version = flashinfer_module(args)
     copies = copy_bandwidth(dev, 1 << 16 if args.smoke else COPY_BYTES)
     bw = max(copies.values(), default=0.0)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; flashinfer {fi_version}", flush=True)
+    print(
+        f"copy bandwidth {bw / 1e12:.2f} TB/s; L2 {size(dev.l2_bytes)}; flashinfer {fi_version}", flush=True
+    )
     report: dict[str, Any] = {
         **head, "flashinfer": fi_version, "copy_bw": copies, "copy_bw_best": bw, "calls": args.calls,
         "replays": args.replays, "iters": args.iters, "eager_rounds": args.eager_rounds, "checks": {},
-        "errors": {}, "skipped": [], "eager": [], "graph": [],
+        "errors": {}, "skipped": [], "eager": [], "graph": [], "l2_bytes": dev.l2_bytes,
+        "l2_source": "smoke: no cache measured" if args.smoke else "torch.cuda.get_device_properties",
+        "l2_modes": args.l2, "layouts": args.layouts,
     }  # fmt: skip
+    if not dev.l2_bytes:
+        dev.l2_bytes = report["l2_bytes"] = ASSUMED_L2_BYTES
+        report["l2_source"] = "not reported by the device: assumed"
     with torch.no_grad():
         if not args.no_eager:
             eager_section(args, dev, fi, report)

@@ -128,11 +128,12 @@ def entry(
     quant: str | None,
     layout: str | None,
     normed_output: bool,
+    output_layout: str = "separate",
 ) -> _Entry:
     """The op for this configuration, built now if needed (collective: every TP rank makes the same
     first call), or the reason no op takes it (kept, so not rebuilt)."""
     key = (id(tp), hidden_states.shape[1], hidden_states.dtype, hidden_states.device, norm, quant, layout,
-           normed_output)  # fmt: skip
+           normed_output, output_layout)  # fmt: skip
     entry = ops.get(key)
     if entry is not None:
         return entry
@@ -143,20 +144,21 @@ def entry(
     with lock:
         entry = ops.get(key)
         if entry is None:
+            build = {
+                "hidden_size": hidden_states.shape[1], "dtype": hidden_states.dtype, "norm": norm,
+                "quant": quant, "max_tokens": settings.max_tokens or DEFAULT_MAX_TOKENS,
+                "backend": settings.backend, "normed_output": normed_output, "scale_layout": layout,
+                "device": hidden_states.device, "cpu_group": tp.cpu_group,
+            }  # fmt: skip
             try:
-                op = AllReduceNorm(
-                    tp.group,
-                    hidden_size=hidden_states.shape[1],
-                    dtype=hidden_states.dtype,
-                    norm=norm,
-                    quant=quant,
-                    max_tokens=settings.max_tokens or DEFAULT_MAX_TOKENS,
-                    backend=settings.backend,
-                    normed_output=normed_output,
-                    scale_layout=layout,
-                    device=hidden_states.device,
-                    cpu_group=tp.cpu_group,
-                )
+                try:
+                    op = AllReduceNorm(tp.group, output_layout=output_layout, **build)
+                except NoEligibleBackendError:
+                    if output_layout == "separate":
+                        raise
+                    # No backend here writes the in-place layout (every rank raised alike): the
+                    # default layout, which the caller reads the same way.
+                    op = AllReduceNorm(tp.group, **build)
             except InvalidInputError as exc:
                 # A configuration no op takes (a hidden size the format cannot split): raised on
                 # every rank alike, so every rank takes the unfused path; kept, so not rebuilt.

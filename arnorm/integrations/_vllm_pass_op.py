@@ -103,6 +103,10 @@ def _build(key: tuple[Any, ...], x: torch.Tensor) -> _Built:
         tp = _vllm_tp(group_name)
         norm = RMSNorm(eps=eps, weight_offset=1.0 if gemma else 0.0, round_before_weight=not gemma,
                        normalize_unrounded=residual)  # fmt: skip
+        # inplace=False and the separate output layout, never output_layout="in_place": this is a
+        # functional op (the graph holds vLLM's functional fused_add_rms_norm here, and Inductor's
+        # reinplacing decides on buffers later), so it must not write over x or residual, and the
+        # in-place layout would need two [T, H] copies to honour that, more traffic than it saves.
         op = AllReduceNorm(
             tp.group, hidden_size=x.shape[1], dtype=x.dtype, norm=norm,
             quant=TAILS[quant].format if quant else None,

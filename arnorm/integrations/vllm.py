@@ -230,9 +230,12 @@ def fused_allreduce_gemma_rms_norm(
 
     ``norm`` is any module with a ``weight`` (the raw Gemma weight: ``1 + weight`` multiplies)
     and ``variance_epsilon`` or ``eps``. The fused path computes the module's own arithmetic (vLLM
-    0.33's ``GemmaRMSNorm`` normalizes the unrounded fp32 sum; probed once per class). On the fused
-    path the new residual is written into ``hidden_states``' buffer and returned (on the unfused
-    path that buffer may hold the reduced sum afterwards); ``residual`` is not modified. When no
+    0.33's ``GemmaRMSNorm`` normalizes the unrounded fp32 sum; probed once per class). The fused
+    path writes over its inputs: at TP 1 as vLLM's own ``fused_add_rms_norm`` does (the normed
+    output over ``hidden_states``, the new residual over ``residual``, both returned); at TP > 1
+    the new residual over ``hidden_states`` (returned), ``residual`` left as it was. On the unfused
+    path ``hidden_states`` may hold the reduced sum afterwards. Pass neither buffer expecting it
+    unchanged, as with vLLM's norms. When no
     backend but the reference serves the call, or it has more tokens than the budget, this runs the
     unfused path: the all-reduce, then ``norm(reduced, residual)`` (vLLM's norms), or the same
     arithmetic in torch for a norm that takes one argument.
@@ -271,7 +274,12 @@ def _norm_call(
     reason = reason or uncallable_reason(hidden_states, residual, op_weight) or unfusable_norm_reason(norm)
     if reason is None:
         arith = arithmetic_of(norm, eps, offset, hidden_states.dtype, hidden_states.device)
-        entry = entry_for(tp, hidden_states, arith.rmsnorm(eps), None, None, True)
+        # vLLM's layout (two tensors touched, not three) where every backend that would serve the
+        # call writes it: at TP 1, triton. At TP > 1 triton_symm (and aiter) write the separate
+        # layout only: asking for the other would trade them for NCCL and a kernel wherever
+        # flashinfer (which writes both) is absent or above its budget.
+        layout = "in_place" if tp.world_size == 1 else "separate"
+        entry = entry_for(tp, hidden_states, arith.rmsnorm(eps), None, None, True, layout)
         op = entry.op
         backend = entry.backend(hidden_states.shape[0]) if op is not None else None
         if op is not None and backend is not None:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from arnorm._errors import InvalidInputError
 from arnorm._formats import DTYPES
-from arnorm._problem import Problem
+from arnorm._problem import OUTPUT_LAYOUTS, Problem
 from arnorm._types import RMSNorm
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ def build_problem(
     inplace: object,
     device: torch.device,
     add_residual: object = True,
+    output_layout: object = "separate",
 ) -> Problem:
     """Check an op's arguments and describe them as a :class:`Problem` (raises InvalidInputError)."""
     import torch
@@ -124,6 +125,7 @@ def build_problem(
         raise InvalidInputError(
             "normed_output: False with quant=None (needs normed_output=True or a quant format)"
         )
+    _check_output_layout(output_layout, inplace, add_residual)
     platform, arch, gfx = platform_of(device)
     return Problem(
         world_size=world_size,
@@ -143,4 +145,27 @@ def build_problem(
         # Options void for this problem (NormOption.is_void) are dropped by Problem itself.
         norm_options=norm.options,
         add_residual=bool(add_residual),
+        output_layout=output_layout,  # type: ignore[arg-type]
     )
+
+
+def _check_output_layout(output_layout: object, inplace: object, add_residual: object) -> None:
+    if output_layout not in OUTPUT_LAYOUTS:
+        choices = " or ".join(repr(v) for v in OUTPUT_LAYOUTS)
+        raise InvalidInputError(f"output_layout: {output_layout!r} (needs {choices})")
+    if output_layout != "in_place":
+        return
+    # The layout writes over both inputs: the normed output over hidden_states, the new residual
+    # over residual. With nothing to write over, or an op asked to leave its inputs alone, it has
+    # no meaning.
+    if not inplace:
+        raise InvalidInputError(
+            "output_layout: 'in_place' with inplace=False (needs inplace=True: the layout writes the "
+            "normed output over hidden_states and the new residual over residual; or output_layout="
+            "'separate' to leave the inputs unwritten)"
+        )
+    if not add_residual:
+        raise InvalidInputError(
+            "output_layout: 'in_place' with add_residual=False (needs add_residual=True: the layout "
+            "writes the new residual over residual, or output_layout='separate')"
+        )

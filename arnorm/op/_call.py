@@ -19,7 +19,8 @@ The rule, for an op built for ``H``, dtype ``D``, a device and ``max_tokens``. A
 - ``scale`` is an fp32 ``[1]`` tensor on the device for fp8_static / nvfp4, else ``None``;
 - no tensor has the negative or conjugate bit set (``torch._neg_view``, ``z.conj().imag``): a
   backend reads the memory through its data pointer, where the lazy negation is not applied;
-- with autograd recording, an in-place op is not handed a leaf ``hidden_states`` that requires grad.
+- with autograd recording, an in-place op is not handed a leaf ``hidden_states`` that requires grad,
+  nor an op of the in-place layout (``output_layout="in_place"``) a leaf ``residual`` that does.
 
 A valid call pays for one combined test of it (weights, scales and ``out`` are checked in full when
 first seen, then trusted by identity and data pointer); a call that fails the test goes to
@@ -222,6 +223,8 @@ def call(
             )
             if grad and plan.inplace and hidden_states.requires_grad and hidden_states.is_leaf:
                 ok = False
+            if grad and plan.rules.writes_residual and residual.requires_grad and residual.is_leaf:  # type: ignore[union-attr]
+                ok = False
         except (AttributeError, TypeError, IndexError, RuntimeError):
             ok = grad = False
         if not ok:
@@ -261,7 +264,8 @@ def call(
                     if out is not None:
                         if not (
                             type(result) is Output
-                            and result.normed is out.normed
+                            # out.normed None: the in-place layout, the normed output over hidden_states
+                            and (result.normed is out.normed or out.normed is None)
                             and result.quant is out.quant
                             and (plan.inplace or result.residual is out.residual)
                         ):
@@ -551,6 +555,12 @@ def check_call(
         raise InvalidInputError(
             "hidden_states: a leaf tensor that requires grad (needs .detach() or torch.no_grad(): "
             "the op writes the new residual into it)"
+        )
+    written = res if rules.writes_residual else None
+    if written is not None and torch.is_grad_enabled() and written.requires_grad and written.is_leaf:
+        raise InvalidInputError(
+            "residual: a leaf tensor that requires grad (needs .detach() or torch.no_grad(): the op, "
+            "built with output_layout='in_place', writes the new residual into it)"
         )
 
 

@@ -54,6 +54,9 @@ class OutRules:
     layout: str | None
     normed: bool
     inplace: bool
+    #: The in-place layout: the normed output goes over ``hidden_states`` (no ``out.normed``) and
+    #: the new residual over ``residual``.
+    normed_over_input: bool = False
 
 
 class Spans(NamedTuple):
@@ -78,7 +81,7 @@ def dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...]
     import torch
 
     dests: list[tuple[str, str, tuple[int, ...], Any]] = []
-    if rules.normed:
+    if rules.normed and not rules.normed_over_input:
         dests.append(("out.normed", "normed", (t, rules.hidden), rules.dtype))
     if not rules.inplace:
         dests.append(("out.residual", "residual", (t, rules.hidden), rules.dtype))
@@ -131,6 +134,12 @@ def check_out_tensors(rules: OutRules, out: object, t: int) -> list[tuple[str, A
             )
     if not rules.normed and out.normed is not None:
         raise InvalidInputError("out.normed: Tensor (needs None: the op was built with normed_output=False)")
+    if rules.normed_over_input and (out.normed is not None or out.residual is not None):
+        arg = "out.normed" if out.normed is not None else "out.residual"
+        raise InvalidInputError(
+            f"{arg}: Tensor (needs None: the op was built with output_layout='in_place', which writes "
+            "the normed output over hidden_states and the new residual over residual)"
+        )
     dests = []
     for arg, field, shape, dtype in dest_shapes(rules, t):
         d = _field(out, field)
@@ -235,7 +244,8 @@ def empty_output(rules: OutRules, t: int, scale: Any = None) -> Output:
 
     from arnorm.quant import empty_quantized
 
-    normed = torch.empty(t, rules.hidden, dtype=rules.dtype, device=rules.device) if rules.normed else None
+    own_normed = rules.normed and not rules.normed_over_input
+    normed = torch.empty(t, rules.hidden, dtype=rules.dtype, device=rules.device) if own_normed else None
     residual = None if rules.inplace else torch.empty(t, rules.hidden, dtype=rules.dtype, device=rules.device)
     quant = None
     if rules.quant is not None:

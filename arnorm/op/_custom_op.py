@@ -4,7 +4,9 @@
 compiled model reaches the op through two opaque custom ops; the op object itself travels as an
 integer handle (a weak reference: a dropped op leaves no entry behind). ``all_reduce_norm_``
 mutates ``hidden_states`` (in-place ops) and returns the other outputs; ``all_reduce_norm``
-mutates nothing and returns the new residual first. With autograd recording, a compiled in-place
+mutates nothing and returns the new residual first; ``all_reduce_norm_in_place`` (ops built with
+``output_layout="in_place"``) mutates ``hidden_states`` (the normed output) and ``residual`` (the new
+residual) and returns the quantized output's tensors. With autograd recording, a compiled in-place
 call goes through the functional op and copies the residual back, because torch registers
 autograd formulas on functional ops only; the formula raises :class:`arnorm.InferenceOnlyError`.
 """
@@ -189,11 +191,35 @@ def _define_ops() -> None:
             # The functional op never writes its inputs; an in-place op reaches it only with autograd
             # recording (see the module docstring) and works on a copy.
             hs = hidden_states.clone() if op._problem.inplace else hidden_states
+            if op._problem.output_layout == "in_place" and residual is not None:
+                residual = residual.clone()
             return _flatten(op(hs, residual, weight, scale), hs, True)
 
         @all_reduce_norm.register_fake
         def _(handle, hidden_states, residual, weight, scale, dests=None):  # type: ignore[no-untyped-def]
             return _fake_outputs(_lookup(handle), hidden_states, True)
+
+        @torch.library.custom_op(
+            "arnorm::all_reduce_norm_in_place",
+            mutates_args=("hidden_states", "residual"),
+            schema="(int handle, Tensor(a!) hidden_states, Tensor(b!) residual, Tensor weight, Tensor? scale,"
+            " Tensor[]? dests=None) -> (Tensor, Tensor)",
+        )
+        def all_reduce_norm_in_place(
+            handle: int,
+            hidden_states: torch.Tensor,
+            residual: torch.Tensor,
+            weight: torch.Tensor,
+            scale: torch.Tensor | None,
+            dests: list[torch.Tensor] | None = None,
+        ) -> tuple[torch.Tensor, ...]:
+            op = _lookup(handle)
+            _check_dests(op, dests, hidden_states, residual, weight, scale)
+            return _flatten(op(hidden_states, residual, weight, scale), hidden_states, False)[1:]
+
+        @all_reduce_norm_in_place.register_fake
+        def _(handle, hidden_states, residual, weight, scale, dests=None):  # type: ignore[no-untyped-def]
+            return _fake_outputs(_lookup(handle), hidden_states, False)[1:]
 
         # The backward is an op of its own: AOT autograd traces it at compile time through the
         # fake (so compiling a model whose parameters require grad works), and running it raises.
@@ -248,6 +274,19 @@ def call_custom_op(
         or (residual is not None and residual.requires_grad)
         or weight.requires_grad
     )
+    if op._problem.output_layout == "in_place" and residual is not None:
+        if grad:
+            h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(
+                handle, hidden_states, residual, weight, scale, dests
+            )
+            residual.copy_(h)
+            if op._problem.normed_output:
+                hidden_states.copy_(normed)
+        else:
+            data, qscale = torch.ops.arnorm.all_reduce_norm_in_place(
+                handle, hidden_states, residual, weight, scale, dests
+            )
+        return _unflatten(op, residual, hidden_states, data, qscale, scale)
     if op._problem.inplace and grad:
         h, normed, data, qscale = torch.ops.arnorm.all_reduce_norm(
             handle, hidden_states, residual, weight, scale, dests

@@ -41,6 +41,7 @@ def fused_allreduce_norm(
     quant: str | None = None,
     scale: torch.Tensor | None = None,
     inplace: bool = True,
+    output_layout: str = "separate",
     **norm_options: bool,
 ) -> Output:
     """One-shot form of :class:`AllReduceNorm`, with the op cached per signature.
@@ -48,7 +49,7 @@ def fused_allreduce_norm(
     ``group`` is required: a ``ProcessGroup`` or :data:`arnorm.LOCAL`. ``norm_options``: the
     options of :class:`arnorm.RMSNorm` by name (``round_before_weight=True``,
     ``normalize_unrounded=True``). The first call for a signature (group, hidden size, dtype,
-    device, the norm, quant, inplace, and whether ``residual`` is ``None``: an op with
+    device, the norm, quant, inplace, output_layout, and whether ``residual`` is ``None``: an op with
     ``add_residual=False``) builds
     an op (collective); a call with more tokens than the cached op's budget builds a larger one.
     At most :data:`CACHE_SIZE` ops are kept; the least recently used is closed when another is
@@ -81,7 +82,8 @@ def fused_allreduce_norm(
         )
     norm = RMSNorm(eps, weight_offset, **norm_options)
     add_residual = residual is not None
-    key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual)
+    key = (group, h, hidden_states.dtype, hidden_states.device, norm, quant, inplace, add_residual,
+           output_layout)  # fmt: skip
     with _cache_lock:
         op = _cache.get(key)
         owner = op._state.owner if op is not None else 0
@@ -103,7 +105,7 @@ def fused_allreduce_norm(
             budget = max(8192, 1 << (int(t) - 1).bit_length())
             op = AllReduceNorm(group, hidden_size=h, dtype=hidden_states.dtype, norm=norm, quant=quant,
                                max_tokens=budget, inplace=inplace, device=hidden_states.device,
-                               add_residual=add_residual)  # fmt: skip
+                               add_residual=add_residual, output_layout=output_layout)  # fmt: skip
             if not _exit_hook:
                 _exit_hook.append(atexit.register(_drop_destroyed))
             _cache[key] = op

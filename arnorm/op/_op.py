@@ -69,6 +69,7 @@ class _Request:
     cpu_group: Any
     config: Config | None
     add_residual: bool
+    output_layout: str
 
 
 class AllReduceNorm:
@@ -100,6 +101,14 @@ class AllReduceNorm:
         backend: ``None`` for auto, or a name / ordered list of names (strict: no fallback).
         normed_output: also return the normed activation in ``dtype``.
         inplace: write the new residual into ``hidden_states``' buffer.
+        output_layout: ``"separate"`` (default): the normed output in a tensor of its own, the new
+            residual as ``inplace`` says. ``"in_place"``: the normed output over ``hidden_states``
+            and the new residual over ``residual`` (vLLM's ``fused_add_rms_norm`` and FlashInfer's
+            ``fused_add_rmsnorm`` layout: two ``[T, H]`` tensors touched instead of three; with
+            ``normed_output=False``, ``hidden_states`` may hold anything afterwards, e.g. the reduced
+            sum). The result's ``normed`` is
+            ``hidden_states`` and its ``residual`` is ``residual``; ``out=`` holds the quantized
+            output only. Needs ``inplace=True`` and ``add_residual=True``.
         add_residual: ``False`` for an all-reduce + norm with no residual add (Gemma2/3's norm
             right after the attention / MLP output): calls pass ``residual=None``, and no
             residual is read.
@@ -135,6 +144,7 @@ class AllReduceNorm:
         cpu_group: Any = None,
         config: Config | None = None,
         add_residual: bool = True,
+        output_layout: str = "separate",
     ) -> None:
         # Serves nothing until construction succeeds, so close() stays safe.
         self._plan: CallPlan = unbuilt_plan()
@@ -150,7 +160,8 @@ class AllReduceNorm:
             raise InvalidInputError(msg)
         try:
             request = _Request(tp_group, hidden_size, dtype, norm, quant, max_tokens, backend, normed_output,
-                               inplace, scale_layout, device, cpu_group, config, add_residual)  # fmt: skip
+                               inplace, scale_layout, device, cpu_group, config, add_residual,
+                               output_layout)  # fmt: skip
             self._build(request)
         except BaseException as exc:
             self._abandon(exc)
@@ -194,7 +205,7 @@ class AllReduceNorm:
             problem = build_problem(
                 comm.world_size, hidden_size=hidden_size, dtype=dtype, norm=norm, quant=quant,
                 scale_layout=scale_layout, max_tokens=max_tokens, normed_output=normed_output,
-                inplace=inplace, device=dev, add_residual=add_residual,
+                inplace=inplace, device=dev, add_residual=add_residual, output_layout=r.output_layout,
             )  # fmt: skip
             if config is None:
                 config = load_config()

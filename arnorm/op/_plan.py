@@ -69,6 +69,8 @@ class CallRules:
     inplace: bool
     strided_rows: bool
     add_residual: bool = True
+    #: The in-place layout (``output_layout="in_place"``): the new residual is written over ``residual``.
+    writes_residual: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False)
@@ -208,7 +210,8 @@ def build_plan(
     ]
     dtype = getattr(torch, problem.dtype)
     out_rules = OutRules(problem.hidden_size, dtype, device, problem.quant, problem.scale_layout,
-                         problem.normed_output, problem.inplace)  # fmt: skip
+                         problem.normed_output, problem.inplace,
+                         problem.output_layout == "in_place")  # fmt: skip
     into: list[ServeInto] = [
         impl if c.caller_outputs else CopyInto(impl, name, out_rules, explanation)  # type: ignore[attr-defined,misc]
         for impl, name, c in zip(chain, names, caps, strict=True)
@@ -217,7 +220,8 @@ def build_plan(
     strided = all(c.strided_rows for c in caps)  # type: ignore[attr-defined]
     scaled = problem.quant is not None and FORMAT_SPECS[problem.quant].takes_scale
     rules = CallRules(problem.hidden_size, problem.max_tokens, dtype, device, problem.quant, scaled,
-                      problem.inplace, strided, problem.add_residual)  # fmt: skip
+                      problem.inplace, strided, problem.add_residual,
+                      problem.output_layout == "in_place")  # fmt: skip
     return CallPlan(
         table=tuple(None if i < 0 else chain[i] for i in served_by),
         into_table=tuple(None if i < 0 else into[i] for i in served_by),

@@ -120,10 +120,10 @@ class CopyInto:
 
 def copy_into(got: Output, out: Output, inplace: bool) -> Output:
     """``got``'s values in ``out``'s tensors, returned as the call's :class:`Output`."""
-    normed = None
-    if got.normed is not None:
-        normed = out.normed.copy_(got.normed)  # type: ignore[union-attr]
-    residual = got.residual if inplace else out.residual.copy_(got.residual)
+    # An out without normed / residual (the in-place layout, or an in-place op's residual): the
+    # backend's own tensor, which is the input it wrote over.
+    normed = got.normed if out.normed is None else out.normed.copy_(got.normed)  # type: ignore[arg-type]
+    residual = got.residual if inplace or out.residual is None else out.residual.copy_(got.residual)
     quant = got.quant
     if quant is not None:
         dq = out.quant
@@ -179,6 +179,10 @@ def check_result(rules: OutRules, result: Any, t: int) -> str:
         return "Output.quant: a QuantizedActivation (needs None: the op does not quantize)"
     if rules.quant is not None and not isinstance(q, QuantizedActivation):
         return f"Output.quant: {type(q).__name__} (needs an arnorm.QuantizedActivation of {rules.quant!r})"
+    if rules.normed and rules.normed_over_input:  # the in-place layout: hidden_states, written over
+        wrong = _tensor("Output.normed", result.normed, (t, h), dtype, device)
+        if wrong:
+            return wrong
     fields = {"normed": ("Output.normed", result.normed)}
     if q is not None:
         fields["data"] = ("Output.quant.data", q.data)
@@ -211,7 +215,7 @@ def unwritten_destination(result: Any, out: Output, rules: OutRules) -> str:
     new ones has left the caller's buffers unwritten."""
     if not isinstance(result, Output):
         return "out"
-    if not _same_memory(result.normed, out.normed):
+    if not rules.normed_over_input and not _same_memory(result.normed, out.normed):
         return "out.normed"
     if not rules.inplace and not _same_memory(result.residual, out.residual):
         return "out.residual"
@@ -230,7 +234,7 @@ def returned_out(result: Any, out: Output, rules: OutRules, name: str, explanati
     left the caller's buffers unwritten, and the values an engine reads next would be stale."""
     if (
         type(result) is Output
-        and result.normed is out.normed
+        and (result.normed is out.normed or rules.normed_over_input)
         and (rules.inplace or result.residual is out.residual)
     ):
         q = out.quant

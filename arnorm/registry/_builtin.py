@@ -26,6 +26,7 @@ def arnorm_backends() -> list[BackendSpec]:
                 # Rank-order sum, elementwise steps, and for batch-invariant ops a statistic by
                 # elementwise adds (arnorm._reference.mean_square_rows): nothing depends on T.
                 batch_invariant=True,
+                output_layouts=frozenset({"separate", "in_place"}),
             ),
             loader="arnorm._reference:ReferenceBackend",
             requires=("torch",),

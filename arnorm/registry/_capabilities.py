@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from arnorm import _formats
 from arnorm._norm import NORM_OPTIONS, NormOptionName
-from arnorm._problem import Problem
+from arnorm._problem import OutputLayout, Problem
 
 __all__ = [
     "BATCH_INVARIANCE_REASON",
@@ -71,6 +71,10 @@ class Capabilities(BaseModel):
       is not invariant may still declare it if it switches, for such problems, to a path that is
       (``triton`` runs its exact mode). Only declaring backends are selected for such an op, and the
       conformance suite checks the property (docs/numerics.md, section 10).
+    - ``output_layouts``: where the backend can write the outputs (``Problem.output_layout``):
+      ``"separate"`` (the normed output in a tensor of its own), ``"in_place"`` (the normed output
+      over ``hidden_states``, the new residual over ``residual``, as vLLM's ``fused_add_rms_norm``
+      writes them). A backend that does not declare ``"in_place"`` is not chosen for such an op.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -95,6 +99,7 @@ class Capabilities(BaseModel):
     residual_free: bool = False
     caller_outputs: bool = False
     batch_invariant: bool = False
+    output_layouts: frozenset[OutputLayout] = frozenset({"separate"})
 
     @model_validator(mode="before")
     @classmethod
@@ -115,7 +120,7 @@ class Capabilities(BaseModel):
         """Fields that contradict each other would make a backend that can never be chosen, or
         that declares what it does not serve: refused where the plugin declares them."""
         problems = []
-        for field in ("platforms", "dtypes", "quant", "scale_layouts"):
+        for field in ("platforms", "dtypes", "quant", "scale_layouts", "output_layouts"):
             if not getattr(self, field):
                 problems.append(f"{field}: empty (needs at least one value: the backend could never serve)")
         if self.world_sizes is not None:
@@ -258,6 +263,8 @@ def check_capabilities(caps: Capabilities, problem: Problem) -> tuple[str, ...]:
         reasons.append(f"weight offset: {problem.weight_offset:g} (needs {offsets})")
     # The problem holds no void option (Problem drops them), so a name there is one the op needs.
     reasons += [o.reason for n, o in NORM_OPTIONS.items() if n in problem.norm_options - caps.norm_options]
+    if problem.output_layout not in caps.output_layouts:
+        reasons.append(f"output layout: {problem.output_layout} (needs {join_or(caps.output_layouts)})")
     if problem.batch_invariant and not caps.batch_invariant:
         reasons.append(BATCH_INVARIANCE_REASON)
     return tuple(reasons)

@@ -67,6 +67,9 @@ class Case:
     strided: bool = False
     #: The call passes caller-owned buffers (``out=op.empty_output(T)``, filled with NaN first).
     out: bool = False
+    #: ``AllReduceNorm(output_layout=)``: ``"in_place"`` writes the normed output over
+    #: ``hidden_states`` and the new residual over ``residual``.
+    output_layout: str = "separate"
 
     @property
     def norm(self) -> RMSNorm:
@@ -86,7 +89,8 @@ class Case:
         nonormed = "" if self.normed_output else "-no-normed-output"
         strided = "-strided" if self.strided else ""
         out = "-out" if self.out else ""
-        variant = f"{options}{nores}{copy}{nonormed}{strided}{out}"
+        in_place = "-in-place" if self.output_layout == "in_place" else ""
+        variant = f"{options}{nores}{copy}{in_place}{nonormed}{strided}{out}"
         return f"{self.dtype}-{q}-T{self.tokens}-H{self.hidden}-{norm}{variant}"
 
 
@@ -168,6 +172,7 @@ def build(
             inplace=case.inplace,
             normed_output=case.normed_output,
             config=config,
+            **({} if case.output_layout == "separate" else {"output_layout": case.output_layout}),
         )
     except arnorm.SelectionError as exc:
         verdict = exc.explanation.verdict(backend) if exc.explanation is not None else None
@@ -222,13 +227,39 @@ def _shares_memory(a: Any, b: Any) -> bool:
     return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
-def _layout_problems(case: Case, out: Any, x: Any, x_before: Any, buffers: dict[str, Any]) -> list[str]:
+def _in_place_problems(case: Case, out: Any, x: Any, residual: Any) -> list[str]:
+    """The in-place layout: the result's residual is ``residual`` itself, its normed output
+    ``hidden_states`` itself. Without a normed output ``hidden_states`` may hold anything after
+    the call (a backend may all-reduce into it), as with any in-place op."""
+    import torch
+
+    problems = []
+    got = out.residual if isinstance(out.residual, torch.Tensor) else None
+    if got is not None and residual is not None and got.data_ptr() != residual.data_ptr():
+        problems.append(
+            "Output.residual: not residual itself (needs the new residual written over residual: the "
+            "op was built with output_layout='in_place')"
+        )
+    normed = out.normed if isinstance(out.normed, torch.Tensor) else None
+    if case.normed_output and normed is not None and normed.data_ptr() != x.data_ptr():
+        problems.append(
+            "Output.normed: not hidden_states itself (needs the normed output written over "
+            "hidden_states: the op was built with output_layout='in_place')"
+        )
+    return problems
+
+
+def _layout_problems(
+    case: Case, out: Any, x: Any, x_before: Any, buffers: dict[str, Any], residual: Any = None
+) -> list[str]:
     """Where the call wrote what it must not have, or returned hidden_states where it must not."""
     import torch
 
     problems = []
     got = out.residual if isinstance(out.residual, torch.Tensor) else None
-    if case.inplace:
+    if case.output_layout == "in_place":
+        problems += _in_place_problems(case, out, x, residual)
+    elif case.inplace:
         if got is not None and got.data_ptr() != x.data_ptr():
             problems.append("Output.residual: a new tensor (needs hidden_states itself: the op is in place)")
     else:
@@ -340,10 +371,16 @@ def _check(case: Case, op: Any, rank: int, world: int, device: Any, twin: Any = 
         problems.append(
             f"Output.normed: {_what(out.normed)} (needs None: the op was built with normed_output=False)"
         )
-    problems += _layout_problems(case, out, x, partials[rank], buffers)
+    problems += _layout_problems(case, out, x, partials[rank], buffers, residual)
     if dest is not None:
         problems += _out_problems(out, dest)
-    if residual is not None and residual_before is not None and not torch.equal(residual, residual_before):
+    in_place = case.output_layout == "in_place"
+    if (
+        not in_place
+        and residual is not None
+        and residual_before is not None
+        and not torch.equal(residual, residual_before)
+    ):
         problems.append(
             "residual: written by the call (needs it unchanged: only hidden_states may be written)"
         )

@@ -21,9 +21,11 @@ more cases, for the first declared dtype at the largest shape, check the op's ot
 with ``inplace=False`` (``hidden_states`` left unwritten, the residual a new tensor), the same
 called with ``out=`` (the result must be the caller's buffers, written), with
 ``normed_output=False`` (no normed output; the quantized output judged against the normed output
-of the same op built with one), and, where the backend declares ``strided_rows``,
-``hidden_states`` and ``residual`` that are ``[:, :H]`` views of wider buffers (nothing written
-outside the views). Bad inputs must raise ``InvalidInputError`` on every rank and leave the op
+of the same op built with one), where the backend declares ``strided_rows``, ``hidden_states``
+and ``residual`` that are ``[:, :H]`` views of wider buffers (nothing written outside the views),
+and where it declares the ``in_place`` output layout (``Capabilities.output_layouts``), ops built
+with ``output_layout="in_place"`` (the normed output over ``hidden_states``, the new residual over
+``residual``). Bad inputs must raise ``InvalidInputError`` on every rank and leave the op
 usable. A backend that declares ``batch_invariant`` is built with ``Config(batch_invariant=True)``
 and each row of a pool, computed alone, must come back bit for bit inside batches of every size of
 ``invariance_sizes`` (residual, normed output, codes, per-row scales; ``test_batch_invariant``,
@@ -208,9 +210,11 @@ class ConformanceSuite:
         """One case each, at the shape of ``shapes`` with the most tokens, for the first declared
         dtype (and format ``none`` where declared): an op built with ``inplace=False``; the same
         called with ``out=`` (NaN-filled caller buffers that must come back written); one built
-        with ``normed_output=False`` (for the first declared quant format); and, where the backend
+        with ``normed_output=False`` (for the first declared quant format); where the backend
         declares ``strided_rows``, ``hidden_states`` and ``residual`` that are ``[:, :H]`` views of
-        wider buffers (two different row strides)."""
+        wider buffers (two different row strides); and where it declares the ``in_place`` output
+        layout, ops built with ``output_layout="in_place"`` (plain; quantized, with and without the
+        normed output and with ``out=``; strided), whose result must be the inputs themselves."""
         caps = cls.spec().capabilities
         if not combos or not cls.shapes:
             return []
@@ -225,6 +229,17 @@ class ConformanceSuite:
             wanted.append((quant, {"normed_output": False}))
         if caps.strided_rows:
             wanted.append((plain, {"strided": True, "tokens": max(tokens, 3)}))
+        if "in_place" in caps.output_layouts:
+            in_place = {"output_layout": "in_place"}
+            wanted.append((plain, in_place))
+            if quant is not None:
+                wanted += [
+                    (quant, in_place),
+                    (quant, in_place | {"normed_output": False}),
+                    (quant, in_place | {"out": True}),
+                ]
+            if caps.strided_rows:
+                wanted.append((plain, in_place | {"strided": True, "tokens": max(tokens, 3)}))
         out = []
         for (dtype, q, layout), options in wanted:
             hidden = admitted_hidden(caps, q or "none", h)

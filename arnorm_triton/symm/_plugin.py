@@ -75,6 +75,9 @@ CAPABILITIES = Capabilities(
         # (_symm_kernels._rank_order_sum, _push_pass), the epilogue is triton's, and the warp count
         # is a function of H alone (_symm_launch.SymmLauncher): a row's outputs never depend on T.
         "batch_invariant": True,
+        # Its kernels write the normed output at row stride H into a buffer of their own; writing
+        # it over hidden_states (the in-place layout) is not wired through their protocols.
+        "output_layouts": frozenset({"separate"}),
     }
 )
 

@@ -176,6 +176,41 @@ def test_not_in_place_leaves_hidden_states_alone(fake_fi, clean_env):
     assert kw["output"] is out.residual
 
 
+@pytest.mark.parametrize(("quant", "normed", "layout", "pattern", "code"), FORMATS)
+def test_in_place_layout_aliases_the_inputs_as_vllm_does(
+    fake_fi, clean_env, quant, normed, layout, pattern, code
+):
+    """output_layout='in_place': residual_out is residual_in and norm_out is input (vLLM's aliasing),
+    no [T, H] buffer allocated, the values those of the separate layout."""
+    arch = (10, 0) if quant == "nvfp4" else (9, 0)
+    backend, problem, _ = build(quant=quant, normed_output=normed, scale_layout=layout, arch=arch,
+                                hidden_size=96, output_layout="in_place")  # fmt: skip
+    x, res, w, scale = inputs(problem, tokens=7)
+    h, y, q = expected(problem, x, res, w, scale)
+    out = backend(x, res, w, scale)
+    kw = fake_fi.last_call
+    assert kw["pattern"] == pattern
+    assert kw["residual_out"] is res and kw["residual_in"] is res and kw["output"] is res
+    assert out.residual is res and torch.equal(res, h)
+    if normed or quant is None:
+        assert kw["norm_out"] is x
+    else:
+        assert kw["norm_out"] is None
+    if normed:
+        assert out.normed is x and torch.equal(x, y)
+    else:
+        assert out.normed is None
+    if quant is not None:
+        assert torch.equal(out.quant.data.view(torch.uint8), q.data.view(torch.uint8))
+        assert torch.equal(out.quant.scale.view(torch.uint8), q.scale.view(torch.uint8))
+
+
+def test_in_place_layout_is_declared():
+    from arnorm_flashinfer._plugin import CAPABILITIES
+
+    assert CAPABILITIES.output_layouts == {"separate", "in_place"}
+
+
 def test_weight_dtype_must_match(fake_fi, clean_env):
     backend, problem, _ = build()
     x, res, w, scale = inputs(problem)

@@ -399,3 +399,42 @@ def test_quant_entry_serves_vllms_group_and_mx_keys(fmt):
     group = {"fp8_per_group": 128, "fp8_per_group_64": 64, "mxfp4": 32}[fmt]
     assert q.scale.shape == (5, 256 // group) and q.scale.is_contiguous()
     assert _bitwise(normed, want_y) and _bitwise(new_residual, want_h)
+
+
+def _plain_call(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    norm = integ_fakes.VllmPlainNorm((torch.randn(128, generator=g) * 0.3 + 1).to(torch.bfloat16), 1e-6)
+    x, residual = ((torch.randn(5, 128, generator=g) * 2).to(torch.bfloat16) for _ in range(2))
+    want = integ_fakes.VllmPlainNorm(norm.weight.data, 1e-6).forward_native(x, residual)
+    return norm, x, residual, want
+
+
+def test_at_tp_1_the_fused_path_writes_over_both_inputs_as_vllms_norm():
+    """vLLM's fused_add_rms_norm writes the normed output over x and the new residual over residual:
+    at TP 1 the drop-in's op does the same (output_layout='in_place') where a backend writes that
+    layout (triton here), with the same values."""
+    from arnorm.registry._discovery import Registry, reset_registry
+    from arnorm_triton._plugin import arnorm_backends as triton_backends
+
+    reg = Registry()
+    reg.add(triton_backends()[0], plugin="arnorm")
+    reset_registry(reg)
+    av.configure(group=arnorm.LOCAL, max_tokens=64)
+    norm, x, residual, (want_y, want_h) = _plain_call(17)
+    xi, ri = x.clone(), residual.clone()
+    normed, new_residual = av.fused_allreduce_rms_norm(xi, ri, norm)
+    assert normed.data_ptr() == xi.data_ptr() and new_residual.data_ptr() == ri.data_ptr()
+    assert _bitwise(normed, want_y) and _bitwise(new_residual, want_h)
+    assert av.served_calls()["fused_allreduce_rms_norm"].get("triton") == 1
+
+
+def test_without_a_backend_writing_the_in_place_layout_the_op_is_built_in_the_default_one():
+    """The test registry's fused backend declares the separate layout only: the drop-in's op is
+    built in it (the new residual over hidden_states, residual left as it was), same values."""
+    av.configure(group=arnorm.LOCAL, max_tokens=64)
+    norm, x, residual, (want_y, want_h) = _plain_call(19)
+    xi, ri = x.clone(), residual.clone()
+    normed, new_residual = av.fused_allreduce_rms_norm(xi, ri, norm)
+    assert new_residual.data_ptr() == xi.data_ptr() and torch.equal(ri, residual)
+    assert _bitwise(normed, want_y) and _bitwise(new_residual, want_h)
+    assert norm.calls == 0  # fused

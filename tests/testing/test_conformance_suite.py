@@ -141,6 +141,16 @@ class TestInvariant(ConformanceSuite):
 class TestSizeGated(ConformanceSuite):
     backend = "pl_size_gated"
     world_sizes = (1, 2)
+
+
+class TestInPlace(ConformanceSuite):
+    backend = "pl_in_place"
+    world_sizes = (1, 2)
+
+
+class TestSeparateInPlace(ConformanceSuite):
+    backend = "pl_separate_in_place"
+    world_sizes = (1,)
 """
 
 
@@ -369,3 +379,21 @@ def test_declared_batch_invariance_that_breaks_above_a_size_fails(report, world)
     assert "T=128: residual" not in message, message
     # The contract check alone cannot see it: every call is within 1 ulp of the reference.
     assert report[f"TestSizeGated.test_matches_reference[{world}]"][0] == "passed"
+
+
+def test_a_backend_writing_the_in_place_layout_passes(report):
+    """A backend declaring the in-place output layout and writing it passes every case."""
+    outcomes = _outcomes(report, "TestInPlace")
+    assert outcomes["test_matches_reference[1]"] == "passed", report["TestInPlace.test_matches_reference[1]"]
+    assert outcomes["test_matches_reference[2]"] == "passed", report["TestInPlace.test_matches_reference[2]"]
+
+
+def test_declaring_the_in_place_layout_and_writing_separate_outputs_fails(report):
+    """A backend declaring the in-place layout that returns new tensors fails its in-place cases,
+    and only those."""
+    outcome, message = report["TestSeparateInPlace.test_matches_reference[1]"]
+    assert outcome == "failed", message
+    cases = _failed_cases(message)
+    assert cases and all("-in-place" in c for c in cases), message
+    assert "Output.residual: not residual itself (needs the new residual written over residual" in message
+    assert "Output.normed: not hidden_states itself (needs the normed output written over" in message

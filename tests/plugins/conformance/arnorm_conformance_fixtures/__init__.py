@@ -12,6 +12,7 @@ PLANTED = "arnorm_conformance_fixtures.planted"
 #: Capabilities of the planted backends: bf16, no quant, any world size, unless a backend widens them.
 PLANTED_CAPS = Capabilities(platforms=frozenset({"cpu", "cuda"}), dtypes=frozenset({"bfloat16"}))
 INVARIANT_QUANT = frozenset({"none", "fp8_per_token"})
+BOTH = frozenset({"separate", "in_place"})
 
 
 def _spec(name: str, cls: str, caps: Capabilities = CAPS, module: str = MODULE, **kw) -> BackendSpec:
@@ -53,4 +54,11 @@ def _planted_specs() -> list[BackendSpec]:
         _planted("pl_ignores_out", "IgnoresOut", caller_outputs=True),
         _planted("pl_invariant", "Invariant", quant=INVARIANT_QUANT, batch_invariant=True),
         _planted("pl_size_gated", "SizeGated", batch_invariant=True),
+        _planted("pl_in_place", "InPlace", quant=frozenset({"none", "fp8_per_token"}), output_layouts=BOTH),
+        _planted(
+            "pl_separate_in_place",
+            "SeparateInPlace",
+            quant=frozenset({"none", "fp8_per_token"}),
+            output_layouts=BOTH,
+        ),
     ]

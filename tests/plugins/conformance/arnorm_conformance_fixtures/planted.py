@@ -14,6 +14,27 @@ class Planted(Good):
     name = "pl_correct"
 
 
+class InPlace(Good):
+    """Correct, the in-place output layout included: the new residual over residual, the normed
+    output over hidden_states."""
+
+    name = "pl_in_place"
+
+    def __call__(self, hidden_states, residual, weight, scale):
+        out = super().__call__(hidden_states, residual, weight, scale)
+        if self.problem.output_layout != "in_place":
+            return out
+        new_residual = residual.copy_(out.residual)  # first: an in-place op's is hidden_states
+        normed = hidden_states.copy_(out.normed) if out.normed is not None else None
+        return out._replace(normed=normed, residual=new_residual)
+
+
+class SeparateInPlace(Good):
+    """Declares the in-place output layout but writes separate outputs whatever the op asks."""
+
+    name = "pl_separate_in_place"
+
+
 class WritesInput(Good):
     """Writes the new residual into hidden_states even when the op was built with inplace=False."""
 
