@@ -12,10 +12,22 @@ format                  code  block size  input scale  data ``[T, H]``          
 ``fp8_per_token``       2     -           -            float8_e4m3fn ``[T, H]``    float32 ``[T, 1]``
 ``nvfp4``               3     16          global enc.  uint8 ``[T, H/2]`` (2 e2m1)  float8_e4m3fn blocks
 ``mxfp8``               4     32          -            float8_e4m3fn ``[T, H]``    uint8 E8M0 blocks
+``fp8_per_group``       5     128         -            float8_e4m3fn ``[T, H]``    float32 per group
+``fp8_per_group_64``    6     64          -            float8_e4m3fn ``[T, H]``    float32 per group
+``fp8_per_group_ue8m0`` 7     128         -            float8_e4m3fn ``[T, H]``    float32 powers of two
+``fp8_per_group_64_ue8m0`` 8  64          -            float8_e4m3fn ``[T, H]``    float32 powers of two
+``mxfp4``               9     32          -            uint8 ``[T, H/2]`` (2 e2m1) uint8 E8M0 blocks
 ======================  ====  ==========  ===========  ==========================  =======================
 
-Block scales are ``[T, H / block]`` in the ``linear`` layout and
-``[round_up(T, 128), round_up(H / block, 4)]`` in ``swizzled_128x4`` (padding zero).
+Block scales (``C = H / block`` per token) are ``[T, C]`` in the ``linear`` layout and
+``[round_up(T, 128), round_up(C, 4)]`` in ``swizzled_128x4`` (padding zero). The per-group fp8
+formats keep their scales as the consumers of block-FP8 activations read them, each stored as a
+contiguous tensor: ``linear`` (row-major ``[T, C]``), ``column_major`` (``[C, T]``: its transpose
+is vLLM's column-major ``[T, C]`` view), ``column_major_tma`` (``[C, round_up(T, 4)]``: the rows
+padded to 16 bytes as TMA loads them, vLLM's ``tma_aligned_scales``) and, for power-of-two scales,
+``packed_ue8m0`` (int32 ``[ceil(C / 4), round_up(T, 4)]``: the biased exponent bytes of groups
+``4k .. 4k+3`` of a token in one int32, lowest group in the lowest byte, DeepGEMM's layout and
+FlashInfer's ``PerTokenGroupFP8PackedQuant``). Padding is zero.
 
 A format's ``code`` is its identity for compiled code and tuned tables (the Triton kernels' ``QUANT``
 constexpr, the keys of ``arnorm_triton``'s launch tables): append-only. A new format takes the next
@@ -41,6 +53,7 @@ __all__ = [
     "LAYOUTS",
     "NO_QUANT",
     "QUANT_FORMATS",
+    "TMA_ROWS",
     "DtypeName",
     "FormatSpec",
     "LayoutName",
@@ -51,18 +64,33 @@ __all__ = [
 ]
 
 #: The quantized formats, in the order the docs list them: the one place their names are typed.
-QuantName = Literal["fp8_static", "fp8_per_token", "nvfp4", "mxfp8"]
+QuantName = Literal[
+    "fp8_static",
+    "fp8_per_token",
+    "nvfp4",
+    "mxfp8",
+    "fp8_per_group",
+    "fp8_per_group_64",
+    "fp8_per_group_ue8m0",
+    "fp8_per_group_64_ue8m0",
+    "mxfp4",
+]
 #: What a backend declares it serves (``Capabilities.quant``): a format, or ``"none"`` for no
 #: quantized output (``Problem.quant_name``).
 QuantChoice = Literal["none", QuantName]
 #: The name of "no quantized output" among the :data:`QuantChoice` values.
 NO_QUANT: Literal["none"] = "none"
-#: Layouts of block scales (nvfp4, mxfp8).
-LayoutName = Literal["linear", "swizzled_128x4"]
+#: Layouts of block scales: the first two serve every block format unless its record names its own.
+LayoutName = Literal["linear", "swizzled_128x4", "column_major", "column_major_tma", "packed_ue8m0"]
 #: The activation dtypes arnorm serves, by torch name: the one place they are typed (the op's
 #: ``dtype``, ``Capabilities.dtypes``, the quantizers' input, the CLI's choices).
 DtypeName = Literal["bfloat16", "float16", "float32"]
 
+#: The layouts every block format serves unless its record names its own.
+_BLOCK_LAYOUTS = ("linear", "swizzled_128x4")
+#: Token rows of the TMA-aligned scale layouts are padded to a multiple of this: 16 bytes of
+#: 4-byte scales (vLLM's ``get_tma_aligned_size(T, 4)``).
+TMA_ROWS = 4
 QUANT_FORMATS: tuple[QuantName, ...] = get_args(QuantName)
 LAYOUTS: tuple[LayoutName, ...] = get_args(LayoutName)
 DTYPES: tuple[DtypeName, ...] = get_args(DtypeName)
@@ -99,6 +127,10 @@ class FormatSpec:
     default_layout: str | None
     #: An input scale that suits activations of magnitude ~1-8, for demos, benches and test cases.
     sample_scale: float | None = None
+    #: The block-scale layouts of this format, default first; empty: ``linear`` and ``swizzled_128x4``.
+    scale_layouts: tuple[str, ...] = ()
+    #: Each computed fp32 scale is rounded up to a power of two (UE8M0 scales kept as fp32).
+    pow2_scales: bool = False
 
     @property
     def returns_input_scale(self) -> bool:
@@ -115,8 +147,10 @@ class FormatSpec:
         """The block-scale layouts this format may use, its default first (none for the fp8 formats)."""
         if not self.block_size:
             return ()
+        if self.scale_layouts:
+            return self.scale_layouts
         first = self.default_layout or LAYOUTS[0]
-        return (first, *(x for x in LAYOUTS if x != first))
+        return (first, *(x for x in _BLOCK_LAYOUTS if x != first))
 
     @property
     def hidden_multiple(self) -> int:
@@ -135,8 +169,21 @@ class FormatSpec:
         cols = hidden_size // self.block_size
         if layout == "swizzled_128x4":
             return (round_up(num_tokens, 128), round_up(cols, 4))
+        if layout == "column_major":
+            return (cols, num_tokens)
+        if layout == "column_major_tma":
+            return (cols, round_up(num_tokens, TMA_ROWS))
+        if layout == "packed_ue8m0":
+            return (-(-cols // 4), round_up(num_tokens, TMA_ROWS))
         return (num_tokens, cols)
 
+    def scale_dtype_in(self, layout: str | None) -> str | None:
+        """The scale tensor's dtype in ``layout``: ``int32`` for four exponent bytes packed in one."""
+        return "int32" if layout == "packed_ue8m0" else self.scale_dtype
+
+
+_GROUP_LAYOUTS = ("linear", "column_major", "column_major_tma")
+_POW2_GROUP_LAYOUTS = (*_GROUP_LAYOUTS, "packed_ue8m0")
 
 # fmt: off
 _SPECS = (
@@ -147,6 +194,15 @@ _SPECS = (
     FormatSpec("nvfp4",         3,  16,   True,  "uint8",         2,   "float8_e4m3fn", "swizzled_128x4",
                sample_scale=448 * 6 / 8.0),
     FormatSpec("mxfp8",         4,  32,   False, "float8_e4m3fn", 1,   "uint8",         "linear"),
+    FormatSpec("fp8_per_group", 5,  128,  False, "float8_e4m3fn", 1,   "float32",       "linear",
+               scale_layouts=_GROUP_LAYOUTS),
+    FormatSpec("fp8_per_group_64", 6, 64, False, "float8_e4m3fn", 1,   "float32",       "linear",
+               scale_layouts=_GROUP_LAYOUTS),
+    FormatSpec("fp8_per_group_ue8m0", 7, 128, False, "float8_e4m3fn", 1, "float32",     "linear",
+               scale_layouts=_POW2_GROUP_LAYOUTS, pow2_scales=True),
+    FormatSpec("fp8_per_group_64_ue8m0", 8, 64, False, "float8_e4m3fn", 1, "float32",   "linear",
+               scale_layouts=_POW2_GROUP_LAYOUTS, pow2_scales=True),
+    FormatSpec("mxfp4",         9,  32,   False, "uint8",         2,   "uint8",         "linear"),
 )
 # fmt: on
 

@@ -15,9 +15,12 @@ __all__ = ["CAPABILITIES", "FlashInferSettings", "arnorm_backends"]
 #: limit at the hidden size's alignment, and the installed FlashInfer's patterns).
 CAPABILITIES = Capabilities(
     platforms=frozenset({"cuda"}),
-    # Every dtype and both scale layouts of the format table (the defaults): SWIZZLED_8x4, which
-    # FlashInfer also has, is not an arnorm layout (the fused kernel writes no scales for it).
+    # Every dtype, and the two block-scale layouts its fused kernel writes (_api.SF_LAYOUTS): the
+    # per-token-group fp8 formats' layouts are not among them, nor is SWIZZLED_8x4 an arnorm layout.
+    # Patterns 8/9 (per-token-group fp8, UE8M0 packed) floor a group's scale after the division
+    # (docs/numerics.md, 3.5): not arnorm's fp8_per_group_ue8m0 on tiny groups, so not declared.
     quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+    scale_layouts=frozenset({"linear", "swizzled_128x4"}),
     # The FP4 patterns are not instantiated for float inputs.
     quant_dtypes={"nvfp4": frozenset({"bfloat16", "float16"})},  # _rules.HALF_ONLY
     world_sizes=frozenset(WORLD_SIZES),

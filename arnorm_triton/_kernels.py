@@ -61,6 +61,7 @@ __all__ = [
     "INTERPRETED",
     "PAD_ROWS_PER_PROGRAM",
     "QUANT_CODES",
+    "SCALE_LAYOUT_CODES",
     "epilogue_operands",
     "fused_add_rmsnorm_quant_kernel",
     "is_swizzled",
@@ -83,6 +84,31 @@ _FP8_STATIC = tl.constexpr(QUANT_CODES["fp8_static"])
 _FP8_PER_TOKEN = tl.constexpr(QUANT_CODES["fp8_per_token"])
 _NVFP4 = tl.constexpr(QUANT_CODES["nvfp4"])
 _MXFP8 = tl.constexpr(QUANT_CODES["mxfp8"])
+_FP8_GROUP = tl.constexpr(QUANT_CODES["fp8_per_group"])
+_FP8_GROUP_64 = tl.constexpr(QUANT_CODES["fp8_per_group_64"])
+_FP8_GROUP_UE8M0 = tl.constexpr(QUANT_CODES["fp8_per_group_ue8m0"])
+_FP8_GROUP_64_UE8M0 = tl.constexpr(QUANT_CODES["fp8_per_group_64_ue8m0"])
+_MXFP4 = tl.constexpr(QUANT_CODES["mxfp4"])
+# The quantizer takes the per-group fp8 formats as one range of codes, the UE8M0 ones last.
+assert list(range(_FP8_GROUP, _FP8_GROUP + 4)) == [
+    _FP8_GROUP,
+    _FP8_GROUP_64,
+    _FP8_GROUP_UE8M0,
+    _FP8_GROUP_64_UE8M0,
+]
+#: SCALE_LAYOUT: how the per-group fp8 formats store their fp32 scales (0 for every other format,
+#: whose layout SWIZZLED says). The codes are this module's own, never stored anywhere.
+SCALE_LAYOUT_CODES: dict[str | None, int] = {
+    None: 0,
+    "linear": 0,
+    "swizzled_128x4": 0,
+    "column_major": 1,
+    "column_major_tma": 2,
+    "packed_ue8m0": 3,
+}
+_COLUMN_MAJOR = tl.constexpr(1)
+_COLUMN_MAJOR_TMA = tl.constexpr(2)
+_PACKED_UE8M0 = tl.constexpr(3)
 #: GROUP for the formats without block scales: any power of two the row shape accepts.
 _NO_BLOCK_GROUP = 16
 
@@ -114,6 +140,11 @@ def _f32(bits: int) -> float:
 _INV_E2M1_MAX = tl.constexpr(_f32(0x3E2AAAAB))
 _INV_E4M3_MAX = tl.constexpr(_f32(0x3B124925))
 _MIN_TOKEN_SCALE = tl.constexpr(_f32(0x36924925))
+#: fp32(1e-10): the per-group fp8 formats' floor of a group's amax (arnorm.quant's EPS).
+_GROUP_EPS = tl.constexpr(_f32(0x2EDBE6FF))
+#: The per-group fp8 formats' code of a NaN quotient (-448) and mxfp4's of a NaN element (6).
+_GROUP_NAN_CODE = tl.constexpr(0xFE)
+_MXFP4_NAN_CODE = tl.constexpr(0x7)
 #: nvfp4: below this |global scale| the encode scale gs / SF (SF >= 2**-9 or 0) is finite.
 _NVFP4_FAST_SCALE = tl.constexpr(float(2**118))
 
@@ -168,6 +199,69 @@ def _store_block_scales(sf_ptr, vals, row, blk, K: tl.constexpr, SWIZZLED: tl.co
         )
     else:
         tl.store(sf_ptr + row * K + blk, vals.to(tl.uint8), mask=blk < K)
+
+
+@triton.jit
+def _pow2_round_up(s):
+    """Non-negative fp32 ``s`` -> the smallest power of two ``>= s``, exactly (inf, NaN, powers of
+    two and zero unchanged): add the mantissa mask so any set bit carries into the exponent."""
+    bits = s.to(tl.int32, bitcast=True)
+    up = (bits + 0x7FFFFF) & 0x7F800000
+    keep = ((bits & 0x7FFFFF) == 0) | ((bits & 0x7F800000) == 0x7F800000)
+    return tl.where(keep, bits, up).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_group_scales(sf_ptr, vals, row, blk, n_rows, K: tl.constexpr, SCALE_LAYOUT: tl.constexpr):
+    """Store one row's fp32 group scales ``vals`` ``[NB]`` in ``SCALE_LAYOUT`` (``arnorm/_formats.py``
+    gives each); the last row's program also zeroes the TMA layouts' padding rows, and each row
+    writes the packed layout's padding groups as 0."""
+    if SCALE_LAYOUT == _COLUMN_MAJOR:
+        tl.store(sf_ptr + blk * n_rows + row, vals, mask=blk < K)
+    elif SCALE_LAYOUT == _COLUMN_MAJOR_TMA:
+        rows_p = (n_rows + 3) // 4 * 4
+        tl.store(sf_ptr + blk * rows_p + row, vals, mask=blk < K)
+        if row == n_rows - 1:
+            pad = n_rows + tl.arange(0, 4)[:, None]
+            tl.store(sf_ptr + blk[None, :] * rows_p + pad, tl.zeros([4, blk.shape[0]], tl.float32),
+                     mask=(pad < rows_p) & (blk[None, :] < K))  # fmt: skip
+    elif SCALE_LAYOUT == _PACKED_UE8M0:
+        rows_p = (n_rows + 3) // 4 * 4
+        KP: tl.constexpr = (K + 3) // 4 * 4
+        exps = tl.where(blk < K, (vals.to(tl.int32, bitcast=True) >> 23) & 0xFF, 0).to(tl.uint8)
+        bytes_ptr = sf_ptr.to(tl.pointer_type(tl.uint8))
+        tl.store(bytes_ptr + ((blk // 4) * rows_p + row) * 4 + blk % 4, exps, mask=blk < KP)
+        if row == n_rows - 1:
+            pad = n_rows + tl.arange(0, 4)[:, None]
+            b = blk[None, :]
+            tl.store(bytes_ptr + ((b // 4) * rows_p + pad) * 4 + b % 4, tl.zeros([4, blk.shape[0]], tl.uint8),
+                     mask=(pad < rows_p) & (b < KP))  # fmt: skip
+    else:
+        tl.store(sf_ptr + row * K + blk, vals, mask=blk < K)
+
+
+@triton.jit
+def _nan_free_abs_max(yb):
+    """The bits (int32) of ``max |x|`` over each block of ``yb`` ``[NB, S, VEC]`` with NaN left out;
+    -1 where every value is NaN. Integer maxima of the bit patterns, as :func:`abs_max`'s (the
+    non-negative floats order as their bits do), the same on a GPU and in the interpreter."""
+    bits = yb.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bits = tl.where(bits > 0x7F800000, -1, bits)
+    return tl.max(tl.max(bits, 2), 1)
+
+
+@triton.jit
+def _mxfp4_codes(yb):
+    """``(codes [NB, GROUP // VEC, VEC] as int32, scale bytes [NB])`` of mxfp4 for fp32 blocks ``yb``
+    (``arnorm/quant/_mxfp4.py`` defines each step)."""
+    amax = _nan_free_abs_max(yb)
+    amax = tl.where(amax < 0, 0x7FC00000, amax)  # every value NaN: the maximum is NaN
+    exp = ((amax + 0x200000) & 0x7F800000) >> 23  # a NaN's carry past the exponent leaves 0
+    u = tl.where(exp == 0xFF, 127, tl.maximum(exp - 129, -127))
+    mult = tl.where(u == 127, 0x400000, (127 - u) << 23).to(tl.float32, bitcast=True)
+    v = yb * mult[:, None, None]
+    code = tl.where(v != v, _MXFP4_NAN_CODE, e2m1_code(v).to(tl.int32))
+    return code, (u + 127).to(tl.uint8)
 
 
 @triton.jit
@@ -227,7 +321,7 @@ def norm_quant_epilogue(
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr,
     SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
     SOFT: tl.constexpr, SOFT_FP8: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True,
-    NORMALIZE_UNROUNDED: tl.constexpr = False,
+    NORMALIZE_UNROUNDED: tl.constexpr = False, SCALE_LAYOUT: tl.constexpr = 0, n_rows=1,
 ):  # fmt: skip
     """Steps 2-4 of the contract for one row, from its reduced sum ``s``; writes every output.
 
@@ -258,6 +352,8 @@ def norm_quant_epilogue(
             is never read.
         NORMALIZE_UNROUNDED: the statistic and ``n`` read the fp32 ``s + res`` (still in
             registers) instead of ``fp32(h)``; ``h`` is stored rounded all the same.
+        SCALE_LAYOUT, n_rows: the per-group fp8 formats' scale layout (:data:`SCALE_LAYOUT_CODES`)
+            and ``T``, which the column-major layouts' row stride is made of.
 
     Writes exactly: ``h`` row ``t``; ``y`` row ``t`` (WRITE_NORMED); codes row ``t`` and this row's
     scales (QUANT > 0). Reads ``res``, ``w``, ``scale`` and nothing else; no barrier beyond the
@@ -270,7 +366,7 @@ def norm_quant_epilogue(
                                       QUANT, HAS_RESIDUAL)  # fmt: skip
     norm_quant_apply(s, res, w, scale, row, h_ptr, h_stride, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN,
                      BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
-                     HAS_RESIDUAL, NORMALIZE_UNROUNDED)  # fmt: skip
+                     HAS_RESIDUAL, NORMALIZE_UNROUNDED, SCALE_LAYOUT, n_rows)  # fmt: skip
 
 
 @triton.jit
@@ -279,6 +375,7 @@ def norm_quant_apply(
     BLOCK: tl.constexpr, GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
     WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, SOFT: tl.constexpr, SOFT_FP8: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr = True, NORMALIZE_UNROUNDED: tl.constexpr = False,
+    SCALE_LAYOUT: tl.constexpr = 0, n_rows=1,
 ):  # fmt: skip
     """:func:`norm_quant_epilogue` with its loads already made (``res, w, scale`` as
     :func:`epilogue_operands` returns them): steps 2-4, every store."""
@@ -367,6 +464,27 @@ def norm_quant_apply(
         q = e4m3_bits(yb * ue8m0_to_inv_scale(e)[:, None, None], SOFT_FP8)
         tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
         _store_block_scales(sf_ptr, e, row64, blk, HIDDEN // GROUP, SWIZZLED)
+    elif QUANT >= _FP8_GROUP and QUANT <= _FP8_GROUP_64_UE8M0:  # the per-group fp8 formats
+        # s = max(amax_g, 1e-10) * fp32(1/448) (UE8M0: rounded up to a power of two), q = e4m3(y / s)
+        yb = tl.reshape(yf, [NB, GROUP // VEC, VEC])
+        amax = tl.maximum(_nan_free_abs_max(yb), 0).to(tl.float32, bitcast=True)  # every value NaN: 0
+        gs = tl.maximum(amax, _GROUP_EPS) * _INV_E4M3_MAX
+        if QUANT >= _FP8_GROUP_UE8M0:
+            gs = _pow2_round_up(gs)
+        quotient = tl.div_rn(yb, gs[:, None, None])
+        q = tl.where(quotient != quotient, _GROUP_NAN_CODE, e4m3_bits(quotient, SOFT_FP8, False))
+        tl.store(q_ptr + base + offs, tl.reshape(q, [BLOCK // VEC, VEC]), mask=mask)
+        _store_group_scales(sf_ptr, gs, row64, blk, n_rows, HIDDEN // GROUP, SCALE_LAYOUT)
+    elif QUANT == _MXFP4:  # u from amax32 rounded at its second mantissa bit, q = e2m1(y * 2**-u)
+        codes, sf_code = _mxfp4_codes(tl.reshape(yf, [NB, GROUP // VEC, VEC]))
+        # The VEC codes of a 16-byte slice as one word, nibble i = element i, as nvfp4's.
+        words = tl.sum(codes << (tl.arange(0, VEC) * 4)[None, None, :], axis=2)
+        WORD4: tl.constexpr = tl.int32 if VEC == 8 else tl.int16
+        words = tl.reshape(words.to(WORD4), [BLOCK // VEC])
+        woffs = tl.arange(0, BLOCK // VEC)
+        wptr = (q_ptr + row64 * (HIDDEN // 2)).to(tl.pointer_type(WORD4))
+        tl.store(wptr + tl.max_contiguous(woffs, [1]), words, mask=woffs < HIDDEN // VEC)
+        _store_block_scales(sf_ptr, sf_code, row64, blk, HIDDEN // GROUP, SWIZZLED)
 
 
 @triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["scale_ptr"])
@@ -399,6 +517,7 @@ def fused_add_rmsnorm_quant_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch (SM 9.0+, launched with launch_pdl)
     HAS_RESIDUAL: tl.constexpr,  # False: add_residual=False, res_ptr is never read
     NORMALIZE_UNROUNDED: tl.constexpr = False,  # the norm reads fp32(s) + fp32(res), not fp32(h)
+    SCALE_LAYOUT: tl.constexpr = 0,  # the per-group fp8 formats' scale layout (SCALE_LAYOUT_CODES)
 ):
     """One program per row; with swizzled block scales, :func:`padding_programs` more programs
     zero the padding rows of the last 128-row tile, 32 rows each.
@@ -427,7 +546,7 @@ def fused_add_rmsnorm_quant_kernel(
         norm_quant_epilogue(acc, row, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr,
                             sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
                             WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, HAS_RESIDUAL,
-                            NORMALIZE_UNROUNDED)  # fmt: skip
+                            NORMALIZE_UNROUNDED, SCALE_LAYOUT, n_rows)  # fmt: skip
     else:
         if SWIZZLED:
             if USE_PDL:  # the preceding grid may still read the scales these programs overwrite

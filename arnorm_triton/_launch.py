@@ -106,6 +106,7 @@ class FusedLauncher:
             "NUM_PARTIALS": num_partials,
             "QUANT": K.QUANT_CODES[quant],
             "SWIZZLED": self.swizzled,
+            "SCALE_LAYOUT": K.SCALE_LAYOUT_CODES[layout],
             "WRITE_NORMED": write_normed,
             "SOFT": soft,
             "SOFT_FP8": soft_fp8,

@@ -38,8 +38,9 @@ class OutputPlan:
         if spec is not None:
             self.data_dtype = getattr(torch, spec.data_dtype)
             self.data_cols = hidden // spec.elements_per_byte
-            if spec.scale_dtype is not None:
-                self.scale_dtype = getattr(torch, spec.scale_dtype)
+            scale_dtype = spec.scale_dtype_in(layout or spec.default_layout)
+            if scale_dtype is not None:
+                self.scale_dtype = getattr(torch, scale_dtype)
             if spec.block_size:
                 self.layout = layout or spec.default_layout
                 self.scale_cols = hidden // spec.block_size
@@ -49,6 +50,11 @@ class OutputPlan:
                 self.scale_cols = 1  # one scale per row
         self.spec = spec
         self.swizzled = self.layout == "swizzled_128x4"
+        #: The per-group fp8 formats' transposed layouts: ``[C, rows]``, rows padded to 4 for TMA.
+        self.transposed = self.layout in ("column_major", "column_major_tma", "packed_ue8m0")
+        self.tma = self.layout in ("column_major_tma", "packed_ue8m0")
+        if self.layout == "packed_ue8m0":
+            self.scale_cols = -(-self.scale_cols // 4)
 
         # The call path: per-variant closures over locals, built once (a call pays no attribute
         # reads or branches on the plan), exposed as the attributes ``alloc`` and ``output``.
@@ -62,6 +68,7 @@ class OutputPlan:
         h, dt, dev, normed = self.hidden, self.dtype, self.device, self.normed
         cols, data_dt, scols, scale_dt = self.data_cols, self.data_dtype, self.scale_cols, self.scale_dtype
         quantized, own_scales, swizzled = self.spec is not None, self.computes_scales, self.swizzled
+        transposed, tma = self.transposed, self.tma
 
         if not quantized and normed:
             return lambda t: (empty(t, h, dtype=dt, device=dev), None, None)
@@ -78,7 +85,16 @@ class OutputPlan:
             rows = -(-t // 128) * 128 if swizzled else t  # round_up(t, 128), inline
             return y, q, empty(rows, scols, dtype=scale_dt, device=dev)
 
-        return alloc
+        def alloc_transposed(t: int) -> tuple[Any, Any, Any]:
+            y = empty(t, h, dtype=dt, device=dev) if normed else None
+            rows = -(-t // 4) * 4 if tma else t
+            return (
+                y,
+                empty(t, cols, dtype=data_dt, device=dev),
+                empty(scols, rows, dtype=scale_dt, device=dev),
+            )
+
+        return alloc_transposed if transposed else alloc
 
     def _make_output(self) -> Callable[[Any, Any, Any, Any, Any], Output]:
         """``output(y, h, q, sf, scale)`` -> the call's :class:`arnorm.Output`.

@@ -19,7 +19,20 @@ CAPABILITIES = Capabilities(
     # Every dtype and scale layout (the defaults). The formats the kernels' quantizer branches on
     # (``QUANT``, by the format table's codes); each format's hidden multiple (whole quantization
     # blocks: the kernel reduces each block as one unit) comes from the table.
-    quant=frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"}),
+    quant=frozenset(
+        {
+            "none",
+            "fp8_static",
+            "fp8_per_token",
+            "nvfp4",
+            "mxfp8",
+            "fp8_per_group",
+            "fp8_per_group_64",
+            "fp8_per_group_ue8m0",
+            "fp8_per_group_64_ue8m0",
+            "mxfp4",
+        }
+    ),
     min_arch=(8, 0),
     max_hidden=MAX_HIDDEN,
     # The epilogue's constexpr per option (_launch.norm_constexprs), triton_symm's too.

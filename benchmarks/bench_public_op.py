@@ -44,6 +44,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -64,6 +65,9 @@ FORMATS: dict[str, tuple[str | None, str | None]] = {
     "fp8_per_token": ("fp8_per_token", None),
     "nvfp4": ("nvfp4", "swizzled_128x4"),
     "mxfp8": ("mxfp8", "linear"),
+    "fp8_per_group": ("fp8_per_group", "linear"),
+    "fp8_per_group_ue8m0_packed": ("fp8_per_group_ue8m0", "packed_ue8m0"),
+    "mxfp4": ("mxfp4", "linear"),
 }
 #: The FlashInfer kernel with the same outputs as an arnorm variant (format, normed output).
 FI_RIVAL = {("none", True): "fi_fused_add_rmsnorm", ("fp8_static", False): "fi_fused_add_rmsnorm_quant"}
@@ -207,18 +211,20 @@ def copy_bandwidth(dev: Any, nbytes: int) -> dict[str, float]:
 
 def bytes_moved(t: int, h: int, fmt: str, normed: bool, elem: int = 2) -> int:
     """Least bytes: read x, residual, weight (and the scale); write residual, normed, codes, scales."""
+    from arnorm.plugin import FORMAT_SPECS
+
     quant, layout = FORMATS[fmt]
     total = 3 * t * h * elem + h * elem + (t * h * elem if normed else 0)
-    if quant in ("fp8_static", "fp8_per_token", "mxfp8"):
-        total += t * h
-    elif quant == "nvfp4":
-        total += t * h // 2
-    if quant == "fp8_per_token":
-        total += 4 * t
-    if quant in ("nvfp4", "mxfp8"):
-        k = h // (16 if quant == "nvfp4" else 32)
-        total += (t + 127) // 128 * 128 * ((k + 3) // 4 * 4) if layout == "swizzled_128x4" else t * k
-    return total + (4 if quant in ("fp8_static", "nvfp4") else 0)
+    if quant is None:
+        return total
+    spec = FORMAT_SPECS[quant]
+    rows, cols = spec.data_shape(t, h)
+    total += rows * cols  # one byte per code (fp8), or per two (packed fp4)
+    shape = spec.scale_shape(t, h, layout)
+    if shape is not None:
+        scale_bytes = {"float32": 4, "int32": 4}.get(spec.scale_dtype_in(layout) or "", 1)
+        total += math.prod(shape) * scale_bytes
+    return total + (4 if spec.takes_scale else 0)
 
 
 def footprint(t: int, h: int, fmt: str, normed: bool, layout: str = "separate", elem: int = 2) -> int:

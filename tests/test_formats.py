@@ -25,6 +25,11 @@ PINNED_CODES = {
     "fp8_per_token": 2,
     "nvfp4": 3,
     "mxfp8": 4,
+    "fp8_per_group": 5,
+    "fp8_per_group_64": 6,
+    "fp8_per_group_ue8m0": 7,
+    "fp8_per_group_64_ue8m0": 8,
+    "mxfp4": 9,
 }
 #: Codes of formats that left the table: never given again.
 RETIRED_CODES: frozenset[int] = frozenset()
@@ -43,7 +48,6 @@ CORE_MODULES_NAMING_FORMATS = {
     "arnorm/integrations/_vllm_types.py": "vLLM's key names of the formats vLLM has",
     "arnorm/integrations/vllm.py": "vLLM's per-format entry points",
     "arnorm/integrations/_vllm_pass_table.py": "the quant ops vLLM's graphs emit after a norm, per format",
-    "arnorm/integrations/_vllm_pass_op.py": "which tails take a caller's scale (vLLM's static scale ops)",
 }
 
 #: The backends' modules that spell a format's name: what each serves and its kernels per format.
@@ -103,6 +107,7 @@ def test_a_renumbered_reused_or_unpinned_code_is_refused():
         "nvfp4: code 4 (needs 3, its pinned code)",
         "nvfp4: code 4 (needs a code of its own: 4 is mxfp8's)",
         "mxfp8: code 5 (needs 4, its pinned code)",
+        "mxfp8: code 5 (needs a code of its own: 5 is fp8_per_group's)",
     ]
     assert _pin_problems({**codes, "int8": 2}) == [
         "int8: not pinned (needs its code appended to PINNED_CODES)",
@@ -145,7 +150,14 @@ def test_a_packed_format_without_blocks_needs_an_even_hidden_size():
 def test_layouts_default_first(name):
     spec = FORMAT_SPECS[name]
     assert spec.layouts[0] == spec.default_layout
-    assert sorted(spec.layouts) == sorted(_formats.LAYOUTS)
+    assert set(spec.layouts) <= set(_formats.LAYOUTS)
+    assert len(set(spec.layouts)) == len(spec.layouts)
+    if not spec.scale_layouts:  # the block formats' own two layouts, unless the record names others
+        assert sorted(spec.layouts) == ["linear", "swizzled_128x4"]
+
+
+def test_every_layout_serves_some_format():
+    assert {x for s in FORMAT_SPECS.values() for x in s.layouts} == set(_formats.LAYOUTS)
 
 
 def test_one_quant_name_type_and_one_dtype_triple():

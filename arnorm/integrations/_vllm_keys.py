@@ -34,7 +34,11 @@ def _key_shape(spec: FormatSpec) -> _Shape:
     return (spec.data_dtype, spec.scale_dtype, False, group, spec.keeps_global_scale)
 
 
-_BY_SHAPE: dict[_Shape, str] = {_key_shape(spec): name for name, spec in FORMAT_SPECS.items()}
+#: A key's structure to its format. Formats of one structure (the UE8M0 per-group kinds share their
+#: fp32 twins': a key says fp32 group scales, not how they are rounded): the table's first is the key's.
+_BY_SHAPE: dict[_Shape, str] = {}
+for _name, _spec in FORMAT_SPECS.items():
+    _BY_SHAPE.setdefault(_key_shape(_spec), _name)
 
 
 def _group(scale: Any) -> tuple[int, ...] | None:

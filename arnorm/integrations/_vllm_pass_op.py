@@ -67,9 +67,16 @@ def _outputs_like(x: torch.Tensor, quant: str, normed: bool) -> tuple[torch.Tens
         shape, dtype = tail.codes_like(t, h)
         codes = x.new_empty(shape, dtype=getattr(torch, dtype))
         if tail.scale_like is not None:
-            shape, dtype = tail.scale_like(t, h)
-            scales = x.new_empty(shape, dtype=getattr(torch, dtype))
+            scales = tail.scale_view(_scale_storage(x, quant), t)
     return y, torch.empty_like(x), codes, scales
+
+
+def _scale_storage(x: torch.Tensor, quant: str) -> torch.Tensor:
+    """An empty tensor shaped as the storage of vLLM's scale buffer for ``x`` (before its view)."""
+    scale_like = TAILS[quant].scale_like
+    assert scale_like is not None
+    shape, dtype = scale_like(x.shape[0], x.shape[1])
+    return x.new_empty(shape, dtype=getattr(torch, dtype))
 
 
 def _vllm_tp(group_name: str) -> Any:
@@ -101,7 +108,8 @@ def _build(key: tuple[Any, ...], x: torch.Tensor) -> _Built:
         # reinplacing decides on buffers later), so it must not write over x or residual, and the
         # in-place layout would need two [T, H] copies to honour that, more traffic than it saves.
         op = AllReduceNorm(
-            tp.group, hidden_size=x.shape[1], dtype=x.dtype, norm=norm, quant=quant or None,
+            tp.group, hidden_size=x.shape[1], dtype=x.dtype, norm=norm,
+            quant=TAILS[quant].format if quant else None,
             max_tokens=max_tokens, normed_output=normed or not quant, inplace=False,
             scale_layout=TAILS[quant].layout if quant else None, device=x.device,
             cpu_group=tp.cpu_group, config=Config(batch_invariant=True) if invariant else None,
@@ -189,15 +197,16 @@ def _call(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
         tally[ENTRY, "unfused"] += 1
         return _unfused(x, residual, weight, scale, group_name, eps, gemma, quant, normed)
     tally[ENTRY, backend] += 1
-    if quant == "fp8_static" and scale is not None and scale.dim() != 1:
+    takes_scale = bool(quant) and TAILS[quant].scale_in is not None
+    if takes_scale and scale is not None and scale.dim() != 1:
         scale = scale.reshape(1)
-    out = built.op(x, residual, weight, scale if quant in ("fp8_static", "nvfp4") else None)
+    out = built.op(x, residual, weight, scale if takes_scale else None)
     y, codes, scales = out.normed, x.new_empty(0), x.new_empty(0, dtype=torch.float32)
     if quant:
-        _, _, codes_like, scales_like = _outputs_like(x, quant, normed)
+        _, _, codes_like, _ = _outputs_like(x, quant, normed)
         codes = _as(out.quant.data, codes_like)
         if TAILS[quant].scale_like is not None:
-            scales = _as(out.quant.scale, scales_like)
+            scales = TAILS[quant].scale_view(_as(out.quant.scale, _scale_storage(x, quant)), x.shape[0])
     if y is None:
         y = x.new_empty(0)
     return y, out.residual, codes, scales

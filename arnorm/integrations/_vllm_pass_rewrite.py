@@ -10,6 +10,7 @@ other ranks: nothing here is collective.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +73,7 @@ class Seam:
     def kind(self) -> str:
         norm = "add_rms_norm" if self.residual is not None else "rms_norm"
         name = ("gemma_" if self.gemma else "") + norm
-        return name + (f"+{self.tail.format}" if self.tail else "")
+        return name + (f"+{self.tail.key}" if self.tail else "")
 
 
 @dataclass
@@ -182,14 +183,16 @@ def _take_tail(seam: Seam, order: dict[fx.Node, int]) -> None:
     for user in out.users:
         if _name(user.target) != "auto_functionalized" or not user.args:
             continue
-        tail = TAIL_BY_OP.get(_name(user.args[0]))
-        if tail is not None and user.kwargs.get(tail.input) is out:
-            tails.append((user, tail))
+        known = TAIL_BY_OP.get(_name(user.args[0]), ())
+        if any(user.kwargs.get(tail.input) is out for tail in known):
+            tails.append((user, known))
     if len(tails) != 1:
         return
-    node, tail = tails[0]
-    if any(node.kwargs.get(arg) not in values for arg, values in tail.fixed):
+    node, known = tails[0]
+    matching = [tail for tail in known if _matches(node, tail)]
+    if not matching:
         return
+    tail = matching[0]
     scale = node.kwargs.get(tail.scale_in) if tail.scale_in else None
     if tail.scale_in and not isinstance(scale, fx.Node):
         return
@@ -199,6 +202,24 @@ def _take_tail(seam: Seam, order: dict[fx.Node, int]) -> None:
         raise _Unexpected(f"{node.name}: output {sorted(items)} read")
     seam.tail, seam.tail_node, seam.scale = tail, node, scale
     seam.keep_normed = len(out.users) > 1
+
+
+def _matches(node: fx.Node, tail: QuantTail) -> bool:
+    """``node`` is ``tail``: its fixed arguments hold, and its scale buffer is the tail's layout."""
+    if any(node.kwargs.get(arg) not in values for arg, values in tail.fixed):
+        return False
+    if tail.scale_out is None or tail.scale_like is None or not tail.name:
+        return True
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    buffer, x = _val(node.kwargs.get(tail.scale_out)), _val(node.kwargs.get(tail.input))
+    if buffer is None or x is None or x.dim() != 2 or buffer.dim() != 2:
+        return False
+    shape, dtype = tail.scale_like(x.shape[0], x.shape[1])
+    with getattr(buffer, "fake_mode", None) or contextlib.nullcontext():
+        want = tail.scale_view(torch.empty_strided(shape, (shape[1], 1), dtype=buffer.dtype), x.shape[0])
+    same = [*zip(buffer.shape, want.shape, strict=True), *zip(buffer.stride(), want.stride(), strict=True)]
+    return str(buffer.dtype) == f"torch.{dtype}" and all(statically_known_true(a == b) for a, b in same)
 
 
 def plan(graph: fx.Graph) -> Plan:
@@ -246,7 +267,7 @@ def rewrite(graph: fx.Graph, the_plan: Plan, op: Any, max_tokens: int, batch_inv
         seam.scale = moved.get(seam.scale, seam.scale) if seam.scale is not None else None
         order = {node: i for i, node in enumerate(graph.nodes)}
         anchor = seam.anchor(order)
-        quant = seam.tail.format if seam.tail else ""
+        quant = seam.tail.key if seam.tail else ""
         normed = seam.keep_normed or not quant
         args = (seam.x, seam.residual, seam.weight, seam.scale, seam.group_name, seam.eps, seam.gemma, quant,
                 normed, max_tokens, batch_invariant)  # fmt: skip

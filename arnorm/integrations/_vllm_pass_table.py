@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALL_REDUCE", "FUSED_ADD_RMS_NORM", "RMS_NORM", "TAILS", "QuantTail", "table_text"]
+__all__ = ["ALL_REDUCE", "FUSED_ADD_RMS_NORM", "RMS_NORM", "TAILS", "TAIL_BY_OP", "QuantTail", "table_text"]
 
 ALL_REDUCE = "vllm.all_reduce.default"
 RMS_NORM = "vllm_ir.rms_norm.default"
@@ -41,6 +41,32 @@ def _scale_nvfp4_swizzled(t: Any, h: Any) -> tuple[tuple[Any, ...], str]:
     rows = (t + 127) // 128 * 128
     cols = (h // 16 + 3) // 4 * 4
     return (rows, cols // 4), "int32"
+
+
+def _scale_groups(group: int, layout: str) -> Callable[[Any, Any], tuple[tuple[Any, ...], str]]:
+    """arnorm's storage of per-token-group fp8 scales in ``layout`` (``FormatSpec.scale_shape``)."""
+
+    def like(t: Any, h: Any) -> tuple[tuple[Any, ...], str]:
+        cols = h // group
+        if layout == "column_major":
+            return (cols, t), "float32"
+        if layout == "column_major_tma":
+            # vLLM's get_tma_aligned_size(T, 4), written as it writes it (``-(T // -4) * 4``) so that
+            # a symbolic T gives the very expression its buffer's stride holds.
+            return (cols, -(t // -4) * 4), "float32"
+        return (t, cols), "float32"
+
+    like.__name__ = f"_scale_groups_{group}_{layout}"
+    return like
+
+
+def _view_rows_first(storage: Any, t: Any) -> Any:
+    """vLLM's ``[T, C]`` view of column-major scale storage ``[C, T or more]`` (its rows may be padded)."""
+    return storage[:, :t].t()
+
+
+def _view_same(storage: Any, t: Any) -> Any:
+    return storage
 
 
 @dataclass(frozen=True)
@@ -70,12 +96,54 @@ class QuantTail:
     #: Where ``auto_functionalized``'s result holds the codes and the computed scales.
     codes_index: int = 1
     scale_index: int | None = None
+    #: The table's key when a format has several tails (one per scale layout vLLM allocates).
+    name: str = ""
+    #: vLLM's view of the scale storage ``scale_like`` describes, for ``T`` tokens: its column-major
+    #: buffers are ``[T, C]`` views with strides ``(1, rows)`` over ``[C, rows]`` storage.
+    scale_view: Callable[[Any, Any], Any] = _view_same
+
+    @property
+    def key(self) -> str:
+        """This tail's key in :data:`TAILS` (the ``quant`` argument of the op the pass inserts)."""
+        return self.name or self.format
 
     def describe(self) -> str:
         """The entry as text, for the pass's ``uuid()`` (what it rewrites)."""
         likes = (self.codes_like.__name__, self.scale_like.__name__ if self.scale_like else None)
-        return repr((self.format, self.layout, self.op, self.input, self.codes, self.scale_in,
-                     self.scale_out, self.fixed, likes, self.codes_index, self.scale_index))  # fmt: skip
+        extra = (self.name, self.scale_view.__name__) if self.name else ()
+        return repr((self.format, self.layout, self.op, self.input, self.codes, self.scale_in, self.scale_out,
+                     self.fixed, likes, self.codes_index, self.scale_index, *extra))  # fmt: skip
+
+
+def _group_tail(fmt: str, group: int, ue8m0: bool, layout: str) -> QuantTail:
+    """vLLM's ``per_token_group_quant_fp8`` as its graphs hold it (``_C.per_token_group_fp8_quant``):
+    the layout of the scales is the buffer vLLM allocates (row-major, a transposed ``[C, T]``, or
+    ``[C, round_up(T, 4)]`` for TMA), which its two flags name (the kernel reads the strides)."""
+    transposed, tma = layout != "linear", layout == "column_major_tma"
+    return QuantTail(
+        fmt,
+        layout,
+        "_C.per_token_group_fp8_quant.default",
+        "input",
+        "output_q",
+        None,
+        "output_s",
+        (
+            ("group_size", (group,)),
+            ("eps", (1e-10,)),
+            ("fp8_min", (-448.0,)),
+            ("fp8_max", (448.0,)),
+            ("scale_ue8m0", (ue8m0,)),
+            ("dummy_is_scale_transposed", (transposed,)),
+            # A row-major buffer is row-major whatever the TMA flag says (vLLM pads only column-major).
+            ("dummy_is_tma_aligned", (tma,) if transposed else (False, True)),
+        ),
+        _codes_fp8,
+        _scale_groups(group, layout),
+        scale_index=2,
+        name=fmt if layout == "linear" else f"{fmt}@{layout}",
+        scale_view=_view_same if layout == "linear" else _view_rows_first,
+    )
 
 
 #: arnorm format -> how vLLM emits it after a norm (vllm/_custom_ops.py, the fusion passes' matchers).
@@ -94,9 +162,25 @@ TAILS: dict[str, QuantTail] = {
         scale_index=2,
     ),
 }  # fmt: skip
+#: The per-token-group fp8 formats, one tail per scale layout vLLM allocates. Not here: vLLM's
+#: ``per_token_group_fp8_quant_packed`` (DeepGEMM's packed UE8M0 scales; a CUDA-only kernel whose
+#: arithmetic no CPU lane checks against arnorm's) and MXFP4 (vLLM 0.33's CUDA linear layers quantize
+#: activations with FlashInfer's ``mxfp4_quantize`` as ``vllm.flashinfer_mxfp4_quantize``, whose
+#: scale rounding is FlashInfer's, not the ``mxfp4_quantize`` arithmetic arnorm's ``mxfp4`` is): the
+#: seam before either is fused, the quantization left to vLLM.
+TAILS.update(
+    (tail.key, tail)
+    for fmt, group, ue8m0 in (("fp8_per_group", 128, False), ("fp8_per_group_64", 64, False),
+                              ("fp8_per_group_ue8m0", 128, True), ("fp8_per_group_64_ue8m0", 64, True))
+    for layout in ("linear", "column_major", "column_major_tma")
+    for tail in (_group_tail(fmt, group, ue8m0, layout),)
+)  # fmt: skip
 
-#: vLLM op name -> its tail.
-TAIL_BY_OP = {tail.op: tail for tail in TAILS.values()}
+#: vLLM op name -> its tails, in the table's order (the first whose fixed arguments match is taken).
+TAIL_BY_OP: dict[str, tuple[QuantTail, ...]] = {}
+for _tail in TAILS.values():
+    TAIL_BY_OP[_tail.op] = (*TAIL_BY_OP.get(_tail.op, ()), _tail)
+del _tail
 
 
 def table_text() -> str:

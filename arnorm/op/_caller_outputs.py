@@ -92,8 +92,9 @@ def dest_shapes(rules: OutRules, t: int) -> list[tuple[str, str, tuple[int, ...]
         )
         shape = spec.scale_shape(t, rules.hidden, rules.layout)
         if shape is not None:
-            assert spec.scale_dtype is not None
-            dests.append(("out.quant.scale", "scale", shape, getattr(torch, spec.scale_dtype)))
+            scale_dtype = spec.scale_dtype_in(rules.layout)
+            assert scale_dtype is not None
+            dests.append(("out.quant.scale", "scale", shape, getattr(torch, scale_dtype)))
     return dests
 
 

@@ -89,8 +89,9 @@ def _fake_quant(op: Any, t: Any, device: torch.device) -> list[torch.Tensor]:
     ]
     shape = spec.scale_shape(t, p.hidden_size, p.scale_layout)
     if shape is not None:
-        assert spec.scale_dtype is not None
-        out.append(torch.empty(shape, dtype=getattr(torch, spec.scale_dtype), device=device))
+        scale_dtype = spec.scale_dtype_in(p.scale_layout)
+        assert scale_dtype is not None
+        out.append(torch.empty(shape, dtype=getattr(torch, scale_dtype), device=device))
     return out
 
 

@@ -1,13 +1,12 @@
-"""The quantization formats of arnorm, bit for bit: ``fp8_static``, ``fp8_per_token``, ``nvfp4``, ``mxfp8``.
+"""The quantization formats of arnorm, bit for bit: ``fp8_static``, ``fp8_per_token``, ``nvfp4``, ``mxfp8``,
+the per-token-group fp8 formats (``fp8_per_group`` and its group-64 and UE8M0 kinds) and ``mxfp4``.
 
 These pure-torch functions *define* step 4 of the numerics contract (``q = Q(y)``, ``y`` the
 dtype-rounded normed activation): the reference backend calls them and every backend we compile
 is compared with them bitwise. They are vectorized, run on any device, and the fp8 paths never
 sync with the host. ``docs/numerics.md`` states each rule and how production kernels compare.
 
->>> from collections.abc import Callable
-
-import torch
+>>> import torch
 >>> from arnorm import quant
 >>> y = torch.tensor([[1.0, -2.0, 500.0, 0.1]])
 >>> q = quant.quantize(y, "fp8_static", scale=torch.tensor([1.0]))
@@ -27,8 +26,10 @@ from arnorm._formats import QUANT_FORMATS as FORMATS
 from arnorm._types import QuantizedActivation
 from arnorm.quant._empty import empty_quantized
 from arnorm.quant._fp8 import dequantize_fp8, quantize_fp8_per_token, quantize_fp8_static
+from arnorm.quant._fp8_group import dequantize_fp8_group, quantize_fp8_group
 from arnorm.quant._inputs import check_format, check_input, check_scale, default_layout
 from arnorm.quant._layout import swizzle_128x4, unswizzle_128x4
+from arnorm.quant._mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from arnorm.quant._mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from arnorm.quant._nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
@@ -86,7 +87,7 @@ def _check_quantized(q: QuantizedActivation) -> None:
     default_layout(fmt)  # checks the name
     spec = FORMAT_SPECS[fmt]
     if spec.block_size and q.layout is None:
-        raise InvalidInputError(f"layout: None (needs {' or '.join(LAYOUTS)} for {fmt})")
+        raise InvalidInputError(f"layout: None (needs {' or '.join(spec.layouts)} for {fmt})")
     data_dtype = getattr(torch, spec.data_dtype)
     data = q.data
     if not isinstance(data, torch.Tensor) or data.dtype != data_dtype or data.dim() != 2:
@@ -131,4 +132,21 @@ _CODECS: dict[str, tuple[_Encode, Callable[..., torch.Tensor]]] = {
         lambda y, scale, layout: quantize_mxfp8(y, layout),
         lambda q: dequantize_mxfp8(q.data, q.scale, q.layout),
     ),
+    "mxfp4": (
+        lambda y, scale, layout: quantize_mxfp4(y, layout),
+        lambda q: dequantize_mxfp4(q.data, q.scale, q.layout),
+    ),
 }
+# The formats with fp32 block scales (per-token-group fp8) differ only in facts of their records:
+# the group size and whether the scales are powers of two.
+_CODECS.update(
+    (
+        name,
+        (
+            lambda y, scale, layout, s=spec: quantize_fp8_group(y, s.block_size, s.pow2_scales, layout),
+            lambda q, s=spec: dequantize_fp8_group(q.data, q.scale, s.block_size, q.layout),
+        ),
+    )
+    for name, spec in FORMAT_SPECS.items()
+    if spec.block_size and spec.scale_dtype == "float32"
+)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from arnorm._errors import InvalidInputError
-from arnorm._formats import DTYPES, FORMAT_SPECS, LAYOUTS, QUANT_FORMATS, round_up
+from arnorm._formats import DTYPES, FORMAT_SPECS, QUANT_FORMATS, round_up
 
 __all__ = [
     "check_format",
@@ -41,18 +41,19 @@ def default_layout(format: str) -> str | None:
 def check_format(format: str, layout: str | None, hidden_size: int) -> str | None:
     """Check a format name, its scale layout and the hidden size; return the resolved layout.
 
-    fp8 formats have no block scales, so their layout must be ``None`` (and ``None`` is returned).
-    nvfp4 and mxfp8 take ``"linear"`` or ``"swizzled_128x4"``; ``None`` picks :func:`default_layout`.
+    fp8_static and fp8_per_token have no block scales, so their layout must be ``None`` (and ``None``
+    is returned). A block format takes one of its table record's layouts (``FormatSpec.layouts``);
+    ``None`` picks :func:`default_layout`.
     """
     fmt = _check_format_name(format)
     spec = FORMAT_SPECS[fmt]
     if spec.block_size:
         if layout is None:
             resolved = spec.default_layout
-        elif isinstance(layout, str) and layout in LAYOUTS:
+        elif isinstance(layout, str) and layout in spec.layouts:
             resolved = layout
         else:
-            raise _fail("layout", repr(layout), " or ".join(LAYOUTS))
+            raise _fail("layout", repr(layout), f"{' or '.join(spec.layouts)} for {fmt}")
     elif layout is not None:
         raise _fail("layout", repr(layout), f"None for {fmt}, which has no block scales")
     else:

@@ -5,7 +5,7 @@ An op is built strictly on the backend with ``Config(batch_invariant=True)`` ove
 every size asked for, at a different offset into the pool each time (a row lands at different
 positions among different neighbours); every output of every row must be bitwise the row's alone:
 the residual, the normed output, the codes and the scales that belong to the row (fp8_per_token's
-per-token scale, nvfp4's and mxfp8's block scales, read back in row order from either layout).
+per-token scale, the block scales of every block format, read back in row order from any layout).
 fp8_static's scale and nvfp4's global scale are inputs, the same for every call: nothing to compare.
 
 The partials are random values of the dtype (not the exactly summable grid of the contract check):
@@ -66,7 +66,11 @@ def _row_outputs(out: Any, case: Case) -> dict[str, Any]:
     if q is not None:
         rows["codes"] = q.data.view(torch.uint8).reshape(t, -1)
         spec = FORMAT_SPECS[q.format]
-        if spec.block_size:
+        if spec.block_size and spec.scale_dtype == "float32":  # per-group fp8: fp32 scales, own layouts
+            from arnorm.quant._fp8_group import from_group_layout
+
+            rows["scales"] = from_group_layout(q.scale, q.layout, t, case.hidden // spec.block_size)
+        elif spec.block_size:
             k = case.hidden // spec.block_size
             rows["scales"] = from_layout(q.scale.view(torch.uint8), q.layout, t, k)
         elif spec.scale_dtype is not None:  # one computed scale per row
@@ -165,7 +169,8 @@ def run_invariance(rank: int, world: int, backend: str, cases: list[Case], sizes
 
 
 def invariance_cases(caps: Any, hidden: int) -> list[Case]:
-    """One case per declared format and layout, for the first declared dtype, at ``hidden`` (raised to
+    """One case per declared format at its default layout and one per other declared layout (at the
+    first format that has it), for the first declared dtype, at ``hidden`` (raised to
     the hidden size the backend admits for the format); the norms rotate through plain and Gemma,
     with ``add_residual=False`` (the third case) and each declared norm option (the ``k``-th in
     the table's order alone in case ``2k + 1``) once each where declared."""
@@ -174,6 +179,7 @@ def invariance_cases(caps: Any, hidden: int) -> list[Case]:
     dtype = sorted(caps.dtypes)[0]
     declared = [n for n in NORM_OPTIONS if n in caps.norm_options]
     out: list[Case] = []
+    seen_layouts: set[str] = set()
     for quant in sorted(caps.quant):
         q = None if quant == "none" else quant
         if quant in caps.quant_dtypes and dtype not in caps.quant_dtypes[quant]:
@@ -185,6 +191,11 @@ def invariance_cases(caps: Any, hidden: int) -> list[Case]:
         for layout in layouts or (None,):
             if layout is not None and layout not in caps.scale_layouts:
                 continue
+            # A layout is where the scales go, not how a row's values are made: each format at its
+            # default layout, and each other layout once, at the first format that has it.
+            if layout is not None and layout != layouts[0] and layout in seen_layouts:
+                continue
+            seen_layouts.add(layout or "")
             i = len(out)
             offsets = sorted(caps.weight_offsets) if caps.weight_offsets is not None else [0.0, 1.0]
             case = Case(1, h, dtype, q, layout, float(offsets[i % len(offsets)]))

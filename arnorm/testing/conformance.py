@@ -8,9 +8,10 @@ Subclass it in a backend's own tests and name the backend; pytest collects the m
         backend = "mine"
         world_sizes = (1, 2, 4)
 
-It needs pytest (``pip install 'arnorm[test]'``). For every dtype, format, layout and norm the
-backend *declares*, at several shapes (odd token counts included), on each of ``world_sizes``
-ranks (gloo on CPU; CUDA tensors over gloo or NCCL on GPUs), it checks the numerics contract
+It needs pytest (``pip install 'arnorm[test]'``). For every dtype, format and norm the backend
+*declares* (every declared scale layout at the first dtype, a format's first layout at the others),
+at several shapes (odd token counts included), on each of ``world_sizes`` ranks (gloo on CPU; CUDA
+tensors over gloo or NCCL on GPUs), it checks the numerics contract
 (docs/numerics.md): the residual bit for bit (inputs are chosen so every correct reduction order
 gives the same sum), the normed output within ``normed_ulps``, the quantized output equal to
 ``arnorm.quant`` applied to the backend's own normed output (``quant_mismatch`` allows a fraction
@@ -170,7 +171,8 @@ class ConformanceSuite:
 
     @classmethod
     def cases(cls) -> list[Case]:
-        """Every declared (dtype, format, layout), at each shape; the norms rotate through the
+        """Every declared (dtype, format) at each shape, in every declared layout for the first dtype
+        and the format's first declared layout for the others; the norms rotate through the
         declared weight offsets, with ``add_residual=False`` where the backend declares it, and the
         declared norm options (``Capabilities.norm_options``, in the table's order): the ``k``-th on
         at shape ``i`` when ``i + k`` is odd, and all of them together at the last shape. Then a few
@@ -181,14 +183,17 @@ class ConformanceSuite:
         last = len(cls.shapes) - 1
         out = []
         combos: list[Combo] = []
-        for dtype in sorted(caps.dtypes):
+        dtypes = sorted(caps.dtypes)
+        for dtype in dtypes:
             for quant in sorted(caps.quant):
                 q = None if quant == "none" else quant
                 if quant in caps.quant_dtypes and dtype not in caps.quant_dtypes[quant]:
                     continue
                 block_layouts = FORMAT_SPECS[q].layouts if q else ()
                 layouts = [x for x in block_layouts if x in caps.scale_layouts] if block_layouts else [None]
-                for layout in layouts:
+                # A layout is where the scales go, not how they are computed: every layout at the
+                # first dtype, the format's first declared layout at the others.
+                for layout in layouts if dtype == dtypes[0] else layouts[:1]:
                     combos.append((dtype, q, layout))
                     for i, (t, h) in enumerate(cls.shapes):
                         hidden = admitted_hidden(caps, quant, h)

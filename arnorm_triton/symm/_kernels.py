@@ -221,7 +221,8 @@ def _epilogue(s, row64, first, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_s
               GROUP: tl.constexpr, VEC: tl.constexpr, QUANT: tl.constexpr, SWIZZLED: tl.constexpr,
               WRITE_NORMED: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, SOFT: tl.constexpr,
               SOFT_FP8: tl.constexpr, PRELOAD: tl.constexpr,
-              NORMALIZE_UNROUNDED: tl.constexpr = False):  # fmt: skip
+              NORMALIZE_UNROUNDED: tl.constexpr = False, SCALE_LAYOUT: tl.constexpr = 0,
+              n_rows=1):  # fmt: skip
     """``triton``'s epilogue for row ``row64`` from its sum ``s``. With ``PRELOAD`` its operands were
     loaded at the kernel's start (:func:`~arnorm_triton._kernels.epilogue_operands`: ``w0``,
     ``scale0``, and ``res0`` when this is the program's ``first`` row); else they are loaded now."""
@@ -233,12 +234,12 @@ def _epilogue(s, row64, first, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_s
             res = tl.load(res_ptr + row64 * res_stride + offs, mask=mask, other=0.0)
         norm_quant_apply(s, res, w0, scale0, row64, h_ptr, h_stride, y_ptr, q_ptr, sf_ptr, eps, weight_offset,
                          HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
-                         SOFT_FP8, True, NORMALIZE_UNROUNDED)  # fmt: skip
+                         SOFT_FP8, True, NORMALIZE_UNROUNDED, SCALE_LAYOUT, n_rows)  # fmt: skip
     else:
         norm_quant_epilogue(s, row64, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr, y_ptr, q_ptr,
                             sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
                             WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, True,
-                            NORMALIZE_UNROUNDED)  # fmt: skip
+                            NORMALIZE_UNROUNDED, SCALE_LAYOUT, n_rows)  # fmt: skip
 
 
 @triton.jit
@@ -331,6 +332,7 @@ def symm_allreduce_norm_kernel(
     STAGE: tl.constexpr,  # 0: everything; 1, 2, 3: only that part (emulation)
     USE_PDL: tl.constexpr,  # programmatic dependent launch (CUDA SM 9.0+, launched with launch_pdl)
     NORMALIZE_UNROUNDED: tl.constexpr = False,  # the norm reads fp32(s) + fp32(res), not fp32(h)
+    SCALE_LAYOUT: tl.constexpr = 0,  # the per-group fp8 formats' scale layout (_kernels.SCALE_LAYOUT_CODES)
 ):
     """Programs ``b < min(T, SLOTS)`` serve rows ``b, b + SLOTS, ...`` below T; with swizzled
     scales, :func:`~arnorm_triton._kernels.padding_programs` more programs zero the padding rows
@@ -407,13 +409,14 @@ def symm_allreduce_norm_kernel(
                 _epilogue(s, row64, row == b, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_stride, w_ptr,
                           scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC,
                           QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
-                          PRELOAD, NORMALIZE_UNROUNDED)  # fmt: skip
+                          PRELOAD, NORMALIZE_UNROUNDED, SCALE_LAYOUT, n_rows)  # fmt: skip
     else:
         _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, peers_ptr, epochs_ptr,
                    err_ptr, my_base, n_rows, x_stride, res_stride, h_stride, eps, weight_offset, rank, in_off,
                    sum_off, spin_limit, two_shot, copy_in, end_wait, b, b64, e, mine, res0, w0, scale0, offs,
                    mask, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT,
-                   SOFT_FP8, WORLD, SLOTS, SYNC, STAGE, PRELOAD, NORMALIZE_UNROUNDED)  # fmt: skip
+                   SOFT_FP8, WORLD, SLOTS, SYNC, STAGE, PRELOAD, NORMALIZE_UNROUNDED,
+                   SCALE_LAYOUT)  # fmt: skip
 
     # Last part: count the call.
     if STAGE == 0 or STAGE == 3:
@@ -432,7 +435,8 @@ def _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, pe
                QUANT: tl.constexpr, SWIZZLED: tl.constexpr, WRITE_NORMED: tl.constexpr,
                ROUND_BEFORE_WEIGHT: tl.constexpr, SOFT: tl.constexpr, SOFT_FP8: tl.constexpr,
                WORLD: tl.constexpr, SLOTS: tl.constexpr, SYNC: tl.constexpr, STAGE: tl.constexpr,
-               PRELOAD: tl.constexpr, NORMALIZE_UNROUNDED: tl.constexpr):  # fmt: skip
+               PRELOAD: tl.constexpr, NORMALIZE_UNROUNDED: tl.constexpr,
+               SCALE_LAYOUT: tl.constexpr):  # fmt: skip
     """One call of program ``b`` through the flag protocol (one-shot or two-shot; the module's
     docstring); ``res0, w0, scale0``: the epilogue's operands of row ``b`` when ``PRELOAD``.
     ``DONE`` is signalled by flag calls only, so the copy-in waits for the peers' ``DONE`` of this
@@ -466,7 +470,7 @@ def _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, pe
             _epilogue(s, b64, True, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_stride, w_ptr, scale_ptr,
                       y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC, QUANT, SWIZZLED,
                       WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8, PRELOAD,
-                      NORMALIZE_UNROUNDED)  # fmt: skip
+                      NORMALIZE_UNROUNDED, SCALE_LAYOUT, n_rows)  # fmt: skip
             for row in range(b + SLOTS, n_rows, SLOTS):
                 row64 = tl.cast(row, tl.int64)
                 s = _rank_order_sum(peers_ptr, in_off, row64, offs, mask, mine, False, rank, HIDDEN, WORLD,
@@ -474,7 +478,7 @@ def _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, pe
                 _epilogue(s, row64, False, res0, w0, scale0, res_ptr, res_stride, h_ptr, h_stride, w_ptr,
                           scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK, GROUP, VEC,
                           QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
-                          PRELOAD, NORMALIZE_UNROUNDED)  # fmt: skip
+                          PRELOAD, NORMALIZE_UNROUNDED, SCALE_LAYOUT, n_rows)  # fmt: skip
         if (STAGE == 0 or STAGE == 3) and SYNC:  # noqa: SIM102
             if n_rows > SLOTS:  # several rows per program: all of them are read now
                 _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
@@ -503,7 +507,7 @@ def _flag_call(x_ptr, res_ptr, w_ptr, scale_ptr, h_ptr, y_ptr, q_ptr, sf_ptr, pe
                 _epilogue(to_fp32(v, SOFT), row64, row == b, res0, w0, scale0, res_ptr, res_stride, h_ptr,
                           h_stride, w_ptr, scale_ptr, y_ptr, q_ptr, sf_ptr, eps, weight_offset, HIDDEN, BLOCK,
                           GROUP, VEC, QUANT, SWIZZLED, WRITE_NORMED, ROUND_BEFORE_WEIGHT, SOFT, SOFT_FP8,
-                          PRELOAD, NORMALIZE_UNROUNDED)  # fmt: skip
+                          PRELOAD, NORMALIZE_UNROUNDED, SCALE_LAYOUT, n_rows)  # fmt: skip
             if SYNC:
                 _signal(peers_ptr, DONE, b, rank, e, SLOTS, WORLD)
 

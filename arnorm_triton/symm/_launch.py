@@ -79,6 +79,7 @@ class SymmLauncher:
             "VEC": vec,
             "QUANT": K.QUANT_CODES[quant],
             "SWIZZLED": self.swizzled,
+            "SCALE_LAYOUT": K.SCALE_LAYOUT_CODES[layout],
             "WRITE_NORMED": write_normed,
             "SOFT": soft,
             "SOFT_FP8": soft_fp8,

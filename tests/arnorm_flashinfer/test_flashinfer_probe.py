@@ -172,3 +172,23 @@ def test_old_api_without_group_is_rejected(monkeypatch):
 def test_probe_enters_no_collective_and_builds_nothing(fake_fi):
     probe(quant="fp8_static")
     assert fake_fi.builds == [] and fake_fi.creates == [] and fake_fi.calls == []
+
+
+NEW_FORMATS = {
+    "fp8_per_group": "column_major_tma",
+    "fp8_per_group_64": "linear",
+    "fp8_per_group_ue8m0": "packed_ue8m0",
+    "fp8_per_group_64_ue8m0": "column_major",
+    "mxfp4": "linear",
+}
+
+
+@pytest.mark.parametrize(("fmt", "layout"), NEW_FORMATS.items())
+def test_the_group_formats_and_mxfp4_are_declined_saying_why(fmt, layout):
+    """Not declared (docs/numerics.md 3.5: patterns 8/9 floor the scale after the division): the
+    reason names the format and what flashinfer serves, and a layout its kernel does not write."""
+    reasons = check_capabilities(CAPABILITIES, make_problem(hidden_size=256, quant=fmt, scale_layout=layout))
+    assert f"quant: {fmt} (needs fp8_per_token, fp8_static, mxfp8, none or nvfp4)" in reasons
+    if layout not in ("linear", "swizzled_128x4"):
+        assert f"scale layout: {layout} (needs linear or swizzled_128x4)" in reasons
+    assert all(GRAMMAR.match(r) for r in reasons), reasons

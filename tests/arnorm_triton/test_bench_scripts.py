@@ -118,3 +118,11 @@ def test_tune_launch_table_smoke(tmp_path):
         assert all(t_max >= 1 and warps >= 1 for t_max, warps in rows)
         assert [t for t, _ in rows] == sorted(t for t, _ in rows)
     assert (REPO / "arnorm_triton" / "_launch_measured.py").read_text() == before
+
+
+def test_gpu_formats_smoke(tmp_path):
+    """gpu_formats.py --smoke runs both sections (exact against reference, batch-invariant rows) on
+    CPU and finds nothing different."""
+    proc, _ = _run("gpu_formats.py", tmp_path)
+    assert "# ALL EXACT AND BATCH-INVARIANT" in proc.stdout
+    assert proc.stdout.count("exact  ") >= 16 and proc.stdout.count("rows   ") == 4

@@ -22,6 +22,8 @@ from arnorm.registry._explain import Explanation, Verdict
 from arnorm.registry._spec import BackendSpec
 
 HAS_CUDA = torch.cuda.is_available()
+#: The reference serves every format of the table, listed sorted.
+REFERENCE_FORMATS = sorted(["none", *arnorm.QUANT_FORMATS])
 HAS_MODEL_DEMO = importlib.util.find_spec("arnorm.cli._demo_model") is not None
 HAS_MODEL_DEPS = all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
 
@@ -55,9 +57,7 @@ def test_backends_lists_every_registered_backend(capsys):
     assert rc == 0
     for info in arnorm.backends():
         assert re.search(rf"^{re.escape(info.name)}\s+\S+\s+\S+\s+{info.status}\s", out, re.M), info.name
-    assert re.search(
-        r"^reference\s+0\s+\S+\s+available\s+fp8_per_token,fp8_static,mxfp8,none,nvfp4\s+-$", out, re.M
-    )
+    assert re.search(rf"^reference\s+0\s+\S+\s+available\s+{','.join(REFERENCE_FORMATS)}\s+-$", out, re.M)
 
 
 def test_explain_shows_choice_and_every_reason(capsys, clean_env):
@@ -73,7 +73,7 @@ def test_explain_shows_choice_and_every_reason(capsys, clean_env):
             assert re.search(
                 rf"^{re.escape(info.name)}\s+\S+\s+{info.status}\s+{re.escape(info.reason)}$", out, re.M
             )
-    assert re.search(r"^  reference\s+fp8_per_token, fp8_static, mxfp8, none, nvfp4$", out, re.M)
+    assert re.search(rf"^  reference\s+{', '.join(REFERENCE_FORMATS)}$", out, re.M)
 
 
 def test_explain_strict_unservable_exits_nonzero(capsys, clean_env):

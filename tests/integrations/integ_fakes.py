@@ -9,11 +9,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from arnorm.plugin import BackendSpec, Capabilities, Output, add_rmsnorm, quantize_output, rank_order_sum
+from arnorm.plugin import (
+    QUANT_FORMATS,
+    BackendSpec,
+    Capabilities,
+    Output,
+    add_rmsnorm,
+    quantize_output,
+    rank_order_sum,
+)
 
 #: The most tokens the fused test backend serves; above it only the reference would.
 FUSED_LIMIT = 16
-ALL_QUANT = frozenset({"none", "fp8_static", "fp8_per_token", "nvfp4", "mxfp8"})
+ALL_QUANT = frozenset({"none", *QUANT_FORMATS})
 
 
 class FusedTestBackend:
@@ -102,10 +110,16 @@ KEYS = {
     "nvfp4": QuantKey(torch.uint8, ScaleDesc(torch.float8_e4m3fn, False, (1, 16)), scale2=_STATIC_TENSOR),
     "mxfp8": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.uint8, False, (1, 32))),
 }
+#: vLLM's keys of the per-token-group and MX formats (kFp8Dynamic128Sym, kFp8Dynamic64Sym,
+#: kMxfp4Dynamic), by arnorm format: hidden sizes of a multiple of 128 (KEYS' tests use 64).
+GROUP_KEYS = {
+    "fp8_per_group": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.float32, False, (1, 128))),
+    "fp8_per_group_64": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.float32, False, (1, 64))),
+    "mxfp4": QuantKey(torch.uint8, ScaleDesc(torch.uint8, False, (1, 32))),
+}
 #: Keys arnorm has no format for.
 UNSUPPORTED = {
     "fp8 dynamic per-tensor": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.float32, False, (-1, -1))),
-    "fp8 per-group 128": QuantKey(torch.float8_e4m3fn, ScaleDesc(torch.float32, False, (1, 128))),
     "e4m3fnuz static": QuantKey(torch.float8_e4m3fnuz, _STATIC_TENSOR),
     "asymmetric fp8": QuantKey(torch.float8_e4m3fn, _STATIC_TENSOR, symmetric=False),
     "int8 name": "int8",

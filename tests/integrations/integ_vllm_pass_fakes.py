@@ -44,6 +44,16 @@ def _define_ops() -> None:
              "int[]? group_shape=None) -> ()")  # fmt: skip
     c.impl("static_scaled_fp8_quant", static_scaled_fp8_quant, "CompositeExplicitAutograd")
     c._register_fake("static_scaled_fp8_quant", lambda result, input, scale, group_shape=None: None)
+    c.define("per_token_group_fp8_quant(Tensor input, Tensor! output_q, Tensor! output_s, int group_size, "
+             "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, bool dummy_is_scale_transposed, "
+             "bool dummy_is_tma_aligned) -> ()")  # fmt: skip
+    c.impl("per_token_group_fp8_quant", per_token_group_fp8_quant, "CompositeExplicitAutograd")
+    c._register_fake("per_token_group_fp8_quant", lambda *args, **kwargs: None)
+    c.define("per_token_group_fp8_quant_packed(Tensor input, Tensor! output_q, Tensor! output_s_packed, "
+             "int group_size, float eps, float fp8_min, float fp8_max) -> ()")  # fmt: skip
+    c._register_fake("per_token_group_fp8_quant_packed", lambda *args, **kwargs: None)
+    vllm.define("flashinfer_mxfp4_quantize(Tensor a, str backend) -> (Tensor, Tensor)")
+    vllm._register_fake("flashinfer_mxfp4_quantize", _mxfp4_fake)
     _libs.extend([vllm, ir, c])
 
 
@@ -74,6 +84,31 @@ def static_scaled_fp8_quant(result: torch.Tensor, input: torch.Tensor, scale: to
     finfo = torch.finfo(torch.float8_e4m3fn)
     q = (input.to(torch.float32) * scale.to(torch.float32).reciprocal()).clamp(finfo.min, finfo.max)
     result.copy_(q.to(torch.float8_e4m3fn))
+
+
+def _mxfp4_fake(a: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = (a.shape[0] + 127) // 128 * 128
+    return a.new_empty(a.shape[0], a.shape[1] // 2, dtype=torch.uint8), a.new_empty(
+        rows, a.shape[1] // 32, dtype=torch.uint8
+    )
+
+
+def per_token_group_fp8_quant(
+    input: torch.Tensor, output_q: torch.Tensor, output_s: torch.Tensor, group_size: int, eps: float,
+    fp8_min: float, fp8_max: float, scale_ue8m0: bool, dummy_is_scale_transposed: bool,
+    dummy_is_tma_aligned: bool,
+) -> None:  # fmt: skip
+    """vLLM 0.33's ``_per_token_group_quant_fp8`` (its Triton fallback), step for step: the group's
+    maximum floored at ``eps``, times ``1 / fp8_max``, rounded up to a power of two for UE8M0, a true
+    quotient clamped to the fp8 range. The scales go wherever ``output_s``'s strides put them."""
+    t, h = input.shape
+    y = input.to(torch.float32).reshape(t, h // group_size, group_size)
+    scale = y.abs().amax(dim=-1).clamp_min(eps) * (1.0 / fp8_max)
+    if scale_ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (y / scale.unsqueeze(-1)).clamp(fp8_min, fp8_max).to(output_q.dtype)
+    output_q.copy_(q.reshape(t, h))
+    output_s.copy_(scale)
 
 
 class Coordinator:

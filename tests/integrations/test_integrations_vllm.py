@@ -48,7 +48,7 @@ def integ_vllm_rank(name):
 
 def test_quant_keys_map_by_their_fields():
     """vLLM QuantKeys (by structure) and arnorm format names map to formats; anything else to None."""
-    for fmt, key in integ_fakes.KEYS.items():
+    for fmt, key in {**integ_fakes.KEYS, **integ_fakes.GROUP_KEYS}.items():
         assert format_of_key(key) == fmt
         assert format_of_key(fmt) == fmt
     e8m0 = getattr(torch, "float8_e8m0fnu", None)
@@ -386,6 +386,31 @@ def test_a_format_vllm_does_not_name_keeps_the_callers_key(monkeypatch):
     assert _vllm_types.vllm_key("new_format", "new_format") == "new_format"
     key = object()
     assert _vllm_types.vllm_key(key, "fp8_static") is key
+
+
+@pytest.mark.parametrize("fmt", list(integ_fakes.GROUP_KEYS))
+def test_quant_entry_serves_vllms_group_and_mx_keys(fmt):
+    """kFp8Dynamic128Sym / kFp8Dynamic64Sym / kMxfp4Dynamic: the codes and the scales vLLM's block-FP8
+    (and MX) linears read: row-major [T, H / group] (fp32, or E8M0 bytes for mxfp4), bit for bit
+    arnorm.quant of vLLM's own unfused normed output."""
+    from arnorm.quant import quantize
+
+    av.configure(group=arnorm.LOCAL, max_tokens=64)
+    g = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(5, 256, generator=g).to(torch.bfloat16) for _ in range(2))
+    weight = (torch.randn(256, generator=g) * 0.2).to(torch.bfloat16)
+    norm = integ_fakes.VllmGemmaNorm(weight, 1e-6)
+    want_y, want_h = norm.forward_native(x.clone(), residual.clone())
+    key = integ_fakes.GROUP_KEYS[fmt]
+    got = av.fused_allreduce_gemma_rms_norm_quant(x.clone(), residual.clone(), weight, 1e-6, None, key)
+    assert got is not None
+    q, normed, new_residual = got
+    want = quantize(want_y, fmt)
+    assert q.quant_key is key and q.orig_shape == x.shape
+    assert _bitwise(q.data, want.data) and _bitwise(q.scale, want.scale)
+    group = {"fp8_per_group": 128, "fp8_per_group_64": 64, "mxfp4": 32}[fmt]
+    assert q.scale.shape == (5, 256 // group) and q.scale.is_contiguous()
+    assert _bitwise(normed, want_y) and _bitwise(new_residual, want_h)
 
 
 def _plain_call(seed: int):

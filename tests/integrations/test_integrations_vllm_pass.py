@@ -22,6 +22,7 @@ from arnorm.integrations import _vllm_pass_op as pass_op
 from arnorm.integrations import _vllm_pass_rewrite as rewrite
 from arnorm.integrations import _vllm_plugin
 from arnorm.integrations import vllm as av
+from arnorm.quant import FORMAT_SPECS
 from arnorm.testing import run_ranks
 
 T, H = 4, 64
@@ -485,3 +486,154 @@ def test_compile_pass_reports_is_empty_where_no_pass_ran():
     code = "from arnorm.integrations import vllm; print(vllm.compile_pass_reports())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- the per-token-group fp8 tails (vLLM's per_token_group_quant_fp8 after the norm) ---------------------
+
+GROUP_TAILS = [
+    (fmt, layout)
+    for fmt in ("fp8_per_group", "fp8_per_group_64", "fp8_per_group_ue8m0", "fp8_per_group_64_ue8m0")
+    for layout in ("linear", "column_major", "column_major_tma")
+]
+
+
+def _group_scale_buffer(t, h, group, layout):
+    """The scale buffer vLLM's ``per_token_group_quant_fp8`` allocates for ``layout`` (fp8_utils.py)."""
+    cols = h // group
+    if layout == "column_major":
+        return torch.empty(cols, t).permute(-1, -2)
+    if layout == "column_major_tma":
+        return torch.empty_strided((t, cols), (1, -(t // -4) * 4))  # get_tma_aligned_size(t, 4)
+    return torch.empty(t, cols)
+
+
+def _group_model(fmt, layout, flags=None):
+    """A seam then vLLM's per-token-group quantization of the normed output, functionalized as vLLM's
+    graphs hold it (``auto_functionalized``, as matcher_utils.MatcherQuantFP8 writes it)."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    spec = FORMAT_SPECS[fmt]
+    transposed, tma = flags or (layout != "linear", layout == "column_major_tma")
+
+    def model(x1, res, w1):
+        a = torch.ops.vllm.all_reduce(x1, F.GROUP)
+        y, r = torch.ops.vllm_ir.fused_add_rms_norm(a, res, w1, 1e-6)
+        q = torch.empty(y.shape, dtype=torch.float8_e4m3fn)
+        s = _group_scale_buffer(y.shape[0], y.shape[1], spec.block_size, layout)
+        out = auto_functionalized(
+            torch.ops._C.per_token_group_fp8_quant.default, input=y, output_q=q, output_s=s,
+            group_size=spec.block_size, eps=1e-10, fp8_min=-448.0, fp8_max=448.0,
+            scale_ue8m0=spec.pow2_scales, dummy_is_scale_transposed=transposed, dummy_is_tma_aligned=tma,
+        )  # fmt: skip
+        return out[1], out[2], r  # what vLLM's graphs read of it (the op returns nothing itself)
+
+    return model
+
+
+def _trace(model, args, mode="fake"):
+    """``model``'s graph as a post-grad graph holds it: outputs nobody reads dropped (Inductor's
+    post-grad passes remove them before the custom post pass runs)."""
+    gm = make_fx(model, tracing_mode=mode)(*args)
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+def _same_tensor(a, b):
+    """Equal bits, shape, dtype and strides (vLLM's block-FP8 GEMMs read the scales' strides)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))  # fmt: skip
+
+
+def _group_inputs(dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=g).to(dtype)
+    res = (torch.randn(tokens, 256, generator=g) * 2).to(dtype)
+    return x, res, (torch.randn(256, generator=g) * 0.3).to(dtype)
+
+
+@pytest.mark.parametrize(("fmt", "layout"), GROUP_TAILS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_per_token_group_fp8_tail_is_fused_bitwise_with_vllms_strides(fake_vllm, fmt, layout, dtype):
+    model = _group_model(fmt, layout)
+    args = _group_inputs(dtype, 5)  # 5 tokens: the TMA layout pads its rows to 8
+    gm = _trace(model, args)
+    _pass_class()("after", 16, False)(gm.graph)
+    key = fmt if layout == "linear" else f"{fmt}@{layout}"
+    assert av.compile_pass_reports(reset=True)[-1]["fused"] == [f"add_rms_norm+{key}"]
+    targets = [str(n.target) for n in gm.graph.nodes]
+    assert not any("per_token_group" in str(n.args[0]) for n in gm.graph.nodes if n.args and
+                   "auto_functionalized" in str(n.target))  # fmt: skip
+    assert "vllm.all_reduce.default" not in targets
+    gm.graph.lint()
+    gm.recompile()
+    for got, want in zip(gm(*args), model(*args), strict=True):
+        assert _same_tensor(got, want)
+    assert av.served_calls()[pass_op.ENTRY] == {"fused": 1}
+
+
+@pytest.mark.parametrize("layout", ["column_major", "column_major_tma"])
+def test_a_group_tail_is_matched_with_a_symbolic_token_count(fake_vllm, layout):
+    """vLLM compiles for a range of token counts: the buffer's strides are expressions of T, which
+    the tail's must equal as written (``-(T // -4) * 4`` for TMA), not merely at one T."""
+    model = _group_model("fp8_per_group_64_ue8m0", layout)
+    gm = _trace(model, _group_inputs(torch.float16, 5), "symbolic")
+    kinds = [s.kind() for s in rewrite.plan(gm.graph).seams]
+    assert kinds == [f"add_rms_norm+fp8_per_group_64_ue8m0@{layout}"]
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 17])
+def test_a_group_tail_above_the_budget_runs_vllms_quantizer_with_its_strides(fake_vllm, tokens):
+    model = _group_model("fp8_per_group_ue8m0", "column_major_tma")
+    args = _group_inputs(torch.bfloat16, tokens)
+    gm = _trace(model, _group_inputs(torch.bfloat16, 5))
+    _pass_class()("after", 16, False)(gm.graph)
+    gm.recompile()
+    # Traced at 5 tokens, called at others: the pass's op takes T from its input.
+    for got, want in zip(gm(*args), model(*args), strict=True):
+        assert got.shape == want.shape and torch.equal(got.float(), want.float())
+    path = "unfused" if tokens > 16 else "fused"
+    assert av.served_calls()[pass_op.ENTRY] == {path: 1}
+
+
+def test_a_scale_buffer_its_flags_misname_is_left_to_vllm(fake_vllm):
+    # A row-major buffer that the flags call transposed: the kernel writes by the strides, arnorm
+    # would give the layout the flags name; the quantization is not taken, the seam still is.
+    model = _group_model("fp8_per_group", "linear", flags=(True, False))
+    gm = _trace(model, _group_inputs(torch.bfloat16, 5))
+    the_plan = rewrite.plan(gm.graph)
+    assert [s.kind() for s in the_plan.seams] == ["add_rms_norm"]
+
+
+def test_group_fake_outputs_have_vllms_shapes_and_strides():
+    with torch._subclasses.FakeTensorMode():
+        x = torch.empty(5, 512, dtype=torch.bfloat16)
+        for layout in ("linear", "column_major", "column_major_tma"):
+            key = "fp8_per_group_64" if layout == "linear" else f"fp8_per_group_64@{layout}"
+            _, _, codes, scales = pass_op._outputs_like(x, key, False)
+            want = _group_scale_buffer(5, 512, 64, layout)
+            assert (codes.shape, codes.dtype) == ((5, 512), torch.float8_e4m3fn)
+            assert (scales.shape, scales.stride(), scales.dtype) == (want.shape, want.stride(), torch.float32)
+
+
+def test_the_packed_ue8m0_and_mxfp4_quantizers_are_left_to_vllm(fake_vllm):
+    """DeepGEMM's packed scales and FlashInfer's mxfp4 quantizer: the seam is fused, the
+    quantization stays vLLM's (the table says why)."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    from arnorm.integrations._vllm_pass_table import TAIL_BY_OP
+
+    def model(x1, res, w1):
+        a = torch.ops.vllm.all_reduce(x1, F.GROUP)
+        y, r = torch.ops.vllm_ir.fused_add_rms_norm(a, res, w1, 1e-6)
+        q = torch.empty(y.shape, dtype=torch.float8_e4m3fn)
+        s = torch.empty_strided((y.shape[0], 1), (1, 8), dtype=torch.int32)
+        out = auto_functionalized(
+            torch.ops._C.per_token_group_fp8_quant_packed.default, input=y, output_q=q, output_s_packed=s,
+            group_size=128, eps=1e-10, fp8_min=-448.0, fp8_max=448.0,
+        )  # fmt: skip
+        return out[1], out[2], r, *torch.ops.vllm.flashinfer_mxfp4_quantize(y, "cute-dsl")
+
+    gm = _trace(model, _group_inputs(torch.bfloat16, 5))
+    the_plan = rewrite.plan(gm.graph)
+    assert [s.kind() for s in the_plan.seams] == ["add_rms_norm"]
+    assert not any("packed" in op or "mxfp4" in op for op in TAIL_BY_OP)

@@ -9,6 +9,11 @@ import arnorm.quant as quant
 from arnorm._errors import InvalidInputError
 from arnorm.quant import check_format, check_scale, default_layout, quantize
 
+ALL_FORMATS = (
+    "fp8_static, fp8_per_token, nvfp4, mxfp8, fp8_per_group, fp8_per_group_64, fp8_per_group_ue8m0, "
+    "fp8_per_group_64_ue8m0, mxfp4"
+)
+
 CPU = torch.device("cpu")
 
 
@@ -36,17 +41,14 @@ def test_public_names() -> None:
         "swizzle_128x4",
         "unswizzle_128x4",
     ]
-    assert quant.FORMATS == ("fp8_static", "fp8_per_token", "nvfp4", "mxfp8")
-    assert quant.LAYOUTS == ("linear", "swizzled_128x4")
+    assert tuple(ALL_FORMATS.split(", ")) == quant.FORMATS
+    assert quant.LAYOUTS == ("linear", "swizzled_128x4", "column_major", "column_major_tma", "packed_ue8m0")
 
 
 def test_default_layout() -> None:
     """nvfp4 defaults to swizzled_128x4, mxfp8 to linear, the fp8 formats to None."""
-    assert [default_layout(f) for f in quant.FORMATS] == [None, None, "swizzled_128x4", "linear"]
-    assert (
-        _message(default_layout, "fp4")
-        == "quant: 'fp4' (needs one of fp8_static, fp8_per_token, nvfp4, mxfp8)"
-    )
+    assert [default_layout(f) for f in quant.FORMATS] == [None, None, "swizzled_128x4", *["linear"] * 6]
+    assert _message(default_layout, "fp4") == "quant: 'fp4' (needs one of " + ALL_FORMATS + ")"
 
 
 def test_check_format_resolves_layouts() -> None:
@@ -62,15 +64,18 @@ def test_check_format_resolves_layouts() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("fp4", None, 4096), "quant: 'fp4' (needs one of fp8_static, fp8_per_token, nvfp4, mxfp8)"),
-        ((None, None, 4096), "quant: None (needs one of fp8_static, fp8_per_token, nvfp4, mxfp8)"),
+        (("fp4", None, 4096), "quant: 'fp4' (needs one of " + ALL_FORMATS + ")"),
+        ((None, None, 4096), "quant: None (needs one of " + ALL_FORMATS + ")"),
         (("nvfp4", None, 4100), "hidden_size: 4100 (needs a multiple of 16 for nvfp4)"),
         (("mxfp8", None, 4112), "hidden_size: 4112 (needs a multiple of 32 for mxfp8)"),
         (("fp8_static", None, 0), "hidden_size: 0 (needs a positive int)"),
         (("fp8_static", None, 64.0), "hidden_size: 64.0 (needs a positive int)"),
         (("fp8_static", None, True), "hidden_size: True (needs a positive int)"),
-        (("nvfp4", "x", 4096), "layout: 'x' (needs linear or swizzled_128x4)"),
-        (("mxfp8", "swizzled_8x4", 4096), "layout: 'swizzled_8x4' (needs linear or swizzled_128x4)"),
+        (("nvfp4", "x", 4096), "layout: 'x' (needs swizzled_128x4 or linear for nvfp4)"),
+        (
+            ("mxfp8", "swizzled_8x4", 4096),
+            "layout: 'swizzled_8x4' (needs linear or swizzled_128x4 for mxfp8)",
+        ),
         (
             ("fp8_static", "linear", 4096),
             "layout: 'linear' (needs None for fp8_static, which has no block scales)",
@@ -121,7 +126,7 @@ def test_check_scale_accepts_what_each_format_needs() -> None:
             "scale: Tensor (needs None for fp8_per_token, which computes its own scales)",
         ),
         ("mxfp8", 1.0, "scale: float (needs None for mxfp8, which computes its own scales)"),
-        ("int8", None, "quant: 'int8' (needs one of fp8_static, fp8_per_token, nvfp4, mxfp8)"),
+        ("int8", None, "quant: 'int8' (needs one of " + ALL_FORMATS + ")"),
     ],
 )
 def test_check_scale_messages(fmt: str, scale: object, message: str) -> None:
@@ -146,7 +151,11 @@ def test_check_scale_messages(fmt: str, scale: object, message: str) -> None:
         (torch.ones(64), {}, "y: shape [64] (needs 2-D [T, H])"),
         (torch.ones(2, 2, 64), {}, "y: shape [2, 2, 64] (needs 2-D [T, H])"),
         (torch.ones(2, 48), {"layout": "linear"}, "hidden_size: 48 (needs a multiple of 32 for mxfp8)"),
-        (torch.ones(2, 64), {"layout": "tiled"}, "layout: 'tiled' (needs linear or swizzled_128x4)"),
+        (
+            torch.ones(2, 64),
+            {"layout": "tiled"},
+            "layout: 'tiled' (needs linear or swizzled_128x4 for mxfp8)",
+        ),
         (
             torch.ones(2, 64),
             {"scale": torch.ones(1)},
@@ -162,9 +171,7 @@ def test_quantize_validates_before_computing(y: object, kwargs: dict, message: s
 def test_quantize_format_and_scale_messages() -> None:
     """quantize reports an unknown format and a missing scale like check_format and check_scale."""
     y = torch.ones(2, 64)
-    assert (
-        _message(quantize, y, "fp4") == "quant: 'fp4' (needs one of fp8_static, fp8_per_token, nvfp4, mxfp8)"
-    )
+    assert _message(quantize, y, "fp4") == "quant: 'fp4' (needs one of " + ALL_FORMATS + ")"
     assert _message(quantize, y, "nvfp4") == "scale: missing (needs an fp32 tensor of shape [1] for nvfp4)"
     assert _message(quantize, y, "fp8_static", layout="linear") == (
         "layout: 'linear' (needs None for fp8_static, which has no block scales)"

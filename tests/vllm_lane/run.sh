@@ -64,6 +64,9 @@ PY
 fi
 
 export VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1
+# An empty CUDA_VISIBLE_DEVICES is what lets vLLM keep Triton with no active GPU driver
+# (vllm/triton_utils/importing.py): its quantizers' Triton kernels then run under the interpreter.
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES-}"
 export LANE_VLLM_CPU_KERNELS="$KERNELS_DIR"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0|1}"

