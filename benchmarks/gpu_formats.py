@@ -1,9 +1,11 @@
-"""The per-token-group fp8 formats and mxfp4 on one GPU: the public op exact against ``reference``, and
-its rows batch-invariant.
+"""The per-token-group fp8 formats and mxfp4 on one GPU: the public op held to its contract against
+``reference``, and its rows batch-invariant.
 
 1. **Exact**: ``arnorm.AllReduceNorm`` at TP 1 (``arnorm.LOCAL``), auto selection (``triton`` on a
-   CUDA GPU) against ``backend="reference"`` on the same inputs, bf16, Gemma norm: residual, normed,
-   codes and scales bit for bit, for T in ``--tokens`` x H in ``--hidden`` for the main variant of
+   CUDA GPU) against ``backend="reference"`` on the same inputs, bf16, Gemma norm: the residual bit
+   for bit, the normed output within 1 ulp (docs/numerics.md: reduction trees and ``rsqrt`` differ
+   between kernels), codes and scales bit for bit ``arnorm.quant`` of the kernel's own normed output
+   (a normed value 1 ulp off moves its group's codes and scale with it: counted, not failed), for T in ``--tokens`` x H in ``--hidden`` for the main variant of
    each format, and every other scale layout at H 4096 and a few T. Zero groups and NaN / inf
    columns ride along in every case (a NaN and an infinite norm weight).
 2. **Batch-invariant rows**: an op built with ``Config(batch_invariant=True)``; a pool of rows sent
@@ -63,25 +65,44 @@ def _op(fmt: str, layout: str, h: int, dev: Any, max_tokens: int, **kw: Any) -> 
     )  # fmt: skip
 
 
-def _differences(a: Any, b: Any) -> list[str]:
+def _differences(a: Any, b: Any, fmt: str, layout: str) -> list[str]:
+    """What breaks the contract (docs/numerics.md): the residual bitwise the reference's; the normed
+    output within 1 ulp of it (reduction trees and ``rsqrt`` differ between kernels); codes and scales
+    bitwise ``arnorm.quant`` applied to the kernel's own normed output. Normed values off by one ulp
+    are counted, with the codes and scales that differ from the reference's because of them."""
     import torch
 
+    from arnorm import quant
+    from arnorm.testing._compare import ulps
+
     out = []
-    for name, x, y in [
-        ("residual", a.residual, b.residual),
-        ("normed", a.normed, b.normed),
-        ("codes", a.quant.data, b.quant.data),
-        ("scales", a.quant.scale, b.quant.scale),
-    ]:
-        if x.shape != y.shape:
-            out.append(f"{name}: shape {list(x.shape)} and {list(y.shape)}")
-            continue
+    if not torch.equal(_bits(a.residual), _bits(b.residual)):
+        out.append(f"residual: {int((_bits(a.residual) != _bits(b.residual)).sum())} differ")
+    both_nan = torch.isnan(a.normed) & torch.isnan(b.normed)  # a NaN's sign and payload: no contract
+    off = torch.where(both_nan, 0, ulps(a.normed, b.normed))
+    if int(off.max()) > 1:
+        out.append(f"normed: {int((off > 1).sum())} more than 1 ulp from the reference (max {int(off.max())})")
+    own = quant.quantize(b.normed, fmt, layout=layout)
+    for name, x, y in [("codes", own.data, b.quant.data), ("scales", own.scale, b.quant.scale)]:
         differ = _bits(x) != _bits(y)
-        if x.is_floating_point():  # a NaN's sign and payload are no part of the contract
+        if x.is_floating_point():
             differ &= ~(torch.isnan(x) & torch.isnan(y))
         if differ.any():
-            out.append(f"{name}: {int(differ.sum())} differ")
+            out.append(f"{name}: {int(differ.sum())} differ from arnorm.quant of the kernel's normed output")
     return out
+
+
+def _one_ulp(a: Any, b: Any) -> str:
+    """The normed values 1 ulp from the reference, and the codes / scales that differ from the
+    reference's through them (within the contract)."""
+    import torch
+
+    n = int(((_bits(a.normed) != _bits(b.normed)) & ~(torch.isnan(a.normed) & torch.isnan(b.normed))).sum())
+    if not n:
+        return ""
+    codes = int((_bits(a.quant.data) != _bits(b.quant.data)).sum())
+    scales = int((_bits(a.quant.scale) != _bits(b.quant.scale)).sum())
+    return f" ({n} normed 1 ulp off the reference; through them {codes} codes, {scales} scales)"
 
 
 def exact(tokens: list[int], hidden: list[int], dev: Any, all_layouts_at: list[int]) -> list[dict[str, Any]]:
@@ -111,10 +132,11 @@ def exact(tokens: list[int], hidden: list[int], dev: Any, all_layouts_at: list[i
             if key not in ops:
                 ops[key] = _op(fmt, layout, h, dev, max_t, **({"backend": backend} if backend else {}))
             got[backend] = ops[key](x.clone(), r, w)
-        diffs = _differences(got["reference"], got[None])
+        diffs = _differences(got["reference"], got[None], fmt, layout)
+        note = _one_ulp(got["reference"], got[None])
         row = {"format": fmt, "layout": layout, "T": t, "H": h, "exact": not diffs, "diffs": diffs,
-               "s": round(time.monotonic() - t0, 2)}  # fmt: skip
-        verdict = "OK" if not diffs else "DIFF " + "; ".join(diffs)
+               "one_ulp": note.strip(" ()"), "s": round(time.monotonic() - t0, 2)}  # fmt: skip
+        verdict = ("OK" + note) if not diffs else "DIFF " + "; ".join(diffs)
         print(f"exact  {fmt:24s} {layout:17s} T={t:6d} H={h:5d}  {verdict}", flush=True)
         results.append(row)
     for op in ops.values():

@@ -78,6 +78,11 @@ CAPABILITIES = Capabilities(
         # Its kernels write the normed output at row stride H into a buffer of their own; writing
         # it over hidden_states (the in-place layout) is not wired through their protocols.
         "output_layouts": frozenset({"separate"}),
+        # The two TMA-padded scale layouts are declined: on an H100 (2026-12-07) two ranks sharing
+        # the GPU got wrong scales in the flag one-shot kernel (T = 1 with push off, T = 4 with the
+        # defaults) while push, two-shot and emulated ranks were right, cause not found. A call
+        # asking for them is served by `triton` (NCCL, then the fused kernel), exact on the same GPU.
+        "scale_layouts": TRITON_CAPABILITIES.scale_layouts - {"column_major_tma", "packed_ue8m0"},
     }
 )
 

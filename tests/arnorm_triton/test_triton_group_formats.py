@@ -1,6 +1,8 @@
-"""The ``triton`` backend's per-group fp8 formats and mxfp4, bit for bit against ``reference`` under the
-interpreter: every scale layout, token counts around the TMA padding, and NaN / inf / zero groups
-(a NaN or infinite norm weight puts them in one column of y). On a GPU the same test runs compiled."""
+"""The ``triton`` backend's per-group fp8 formats and mxfp4 against ``reference``: every scale layout,
+token counts around the TMA padding, and NaN / inf / zero groups (a NaN or infinite norm weight puts
+them in one column of y). Under the interpreter the outputs are bit for bit the reference's; on a GPU
+the same tests run compiled and hold the kernel to the contract (normed within ulps, codes and
+scales bit for bit ``arnorm.quant`` of its own normed output)."""
 
 from __future__ import annotations
 
@@ -63,9 +65,27 @@ def _same(fmt, layout, t, hidden, dtype, special=False, offset=0.0):
         op.close()
     a, b = outs
     assert torch.equal(_bits(a.residual), _bits(b.residual))
-    assert torch.equal(_bits(a.quant.data), _bits(b.quant.data)), (fmt, layout, t)
-    assert torch.equal(_bits(a.quant.scale), _bits(b.quant.scale)), (fmt, layout, t)
+    _held_to_the_contract(a, b, fmt, layout, ulps=8 if dtype == torch.float32 else 1)
     assert (a.quant.format, a.quant.layout) == (b.quant.format, b.quant.layout)
+
+
+def _held_to_the_contract(a, b, fmt, layout, ulps):
+    """``b`` (triton) against ``a`` (reference), as docs/numerics.md words the contract: the normed
+    output within ``ulps`` (reduction trees and ``rsqrt`` differ between kernels: compiled on a GPU,
+    fp32 lands a few ulps away), codes and scales bit for bit ``arnorm.quant`` of triton's own normed
+    output; and where the normed outputs are bitwise equal (the interpreter), codes and scales bit for
+    bit the reference's."""
+    from arnorm.testing._compare import ulps as ulp_distances
+
+    both_nan = torch.isnan(a.normed) & torch.isnan(b.normed)
+    off = torch.where(both_nan, 0, ulp_distances(a.normed, b.normed))
+    assert int(off.max()) <= ulps, (fmt, layout, int(off.max()))
+    own = quant.quantize(b.normed, fmt, layout=layout)
+    assert torch.equal(_bits(own.data), _bits(b.quant.data)), (fmt, layout)
+    assert torch.equal(_bits(own.scale), _bits(b.quant.scale)), (fmt, layout)
+    if torch.equal(_bits(a.normed), _bits(b.normed)):
+        assert torch.equal(_bits(a.quant.data), _bits(b.quant.data)), (fmt, layout)
+        assert torch.equal(_bits(a.quant.scale), _bits(b.quant.scale)), (fmt, layout)
 
 
 @pytest.mark.parametrize(("fmt", "layout"), VARIANTS, ids=[f"{f}-{lay}" for f, lay in VARIANTS])
@@ -100,5 +120,4 @@ def test_scales_at_the_top_of_fp32_match_the_reference(fmt):
         outs.append(op(x, r, w))
         op.close()
     a, b = outs
-    assert torch.equal(_bits(a.quant.data), _bits(b.quant.data))
-    assert torch.equal(_bits(a.quant.scale), _bits(b.quant.scale))
+    _held_to_the_contract(a, b, fmt, layout, ulps=8)

@@ -94,11 +94,23 @@ def test_static_reasons():
     assert check_capabilities(CAPABILITIES, gpu1) == ("world size: 1 (needs 2, 3, 4, 5, 6, 7 or 8)",)
     gpu16 = type(gpu1)(**{**{f: getattr(gpu1, f) for f in gpu1.__dataclass_fields__}, "world_size": 16})
     assert check_capabilities(CAPABILITIES, gpu16) == ("world size: 16 (needs 2, 3, 4, 5, 6, 7 or 8)",)
-    # Everything else triton serves, triton_symm serves too.
-    for field in ("dtypes", "quant", "scale_layouts", "norm_options", "strided_rows", "max_hidden"):
-        from arnorm_triton._plugin import CAPABILITIES as TRITON
+    # Everything else triton serves, triton_symm serves too, but the TMA-padded scale layouts.
+    from arnorm_triton._plugin import CAPABILITIES as TRITON
 
+    for field in ("dtypes", "quant", "norm_options", "strided_rows", "max_hidden"):
         assert getattr(CAPABILITIES, field) == getattr(TRITON, field)
+    assert TRITON.scale_layouts - CAPABILITIES.scale_layouts == {"column_major_tma", "packed_ue8m0"}
+
+
+def test_tma_layouts_fall_through_to_triton_with_a_reason():
+    """The two TMA-padded layouts are declined in the reason grammar, so a TP call asking for them is
+    served by the next backend, never by triton_symm."""
+    problem = make_problem(H, torch.bfloat16, "fp8_per_group_64", "column_major_tma", world_size=2, device="meta")
+    problem = type(problem)(**{**{f: getattr(problem, f) for f in problem.__dataclass_fields__},
+                               "platform": "cuda", "arch": (9, 0)})  # fmt: skip
+    (reason,) = check_capabilities(CAPABILITIES, problem)
+    assert reason.startswith("scale layout: column_major_tma (needs ")
+    assert "packed_ue8m0" not in reason and "column_major" in reason
 
 
 def test_probe_reasons_without_symmetric_memory(monkeypatch):
