@@ -5,8 +5,9 @@
    CUDA GPU) against ``backend="reference"`` on the same inputs, bf16, Gemma norm: the residual bit
    for bit, the normed output within 1 ulp (docs/numerics.md: reduction trees and ``rsqrt`` differ
    between kernels), codes and scales bit for bit ``arnorm.quant`` of the kernel's own normed output
-   (a normed value 1 ulp off moves its group's codes and scale with it: counted, not failed), for T in ``--tokens`` x H in ``--hidden`` for the main variant of
-   each format, and every other scale layout at H 4096 and a few T. Zero groups and NaN / inf
+   (a normed value 1 ulp off moves its group's codes and scale with it: counted, not failed), for T
+   in ``--tokens`` x H in ``--hidden`` for the main variant of each format, and every other scale
+   layout at H 4096 and a few T. Zero groups and NaN / inf
    columns ride along in every case (a NaN and an infinite norm weight).
 2. **Batch-invariant rows**: an op built with ``Config(batch_invariant=True)``; a pool of rows sent
    as batches of 1, 7, 128 and 1024 at shifting offsets; every row's residual, normed output, codes
@@ -81,7 +82,8 @@ def _differences(a: Any, b: Any, fmt: str, layout: str) -> list[str]:
     both_nan = torch.isnan(a.normed) & torch.isnan(b.normed)  # a NaN's sign and payload: no contract
     off = torch.where(both_nan, 0, ulps(a.normed, b.normed))
     if int(off.max()) > 1:
-        out.append(f"normed: {int((off > 1).sum())} more than 1 ulp from the reference (max {int(off.max())})")
+        worst = int(off.max())
+        out.append(f"normed: {int((off > 1).sum())} more than 1 ulp from the reference (max {worst})")
     own = quant.quantize(b.normed, fmt, layout=layout)
     for name, x, y in [("codes", own.data, b.quant.data), ("scales", own.scale, b.quant.scale)]:
         differ = _bits(x) != _bits(y)

@@ -105,7 +105,8 @@ def test_static_reasons():
 def test_tma_layouts_fall_through_to_triton_with_a_reason():
     """The two TMA-padded layouts are declined in the reason grammar, so a TP call asking for them is
     served by the next backend, never by triton_symm."""
-    problem = make_problem(H, torch.bfloat16, "fp8_per_group_64", "column_major_tma", world_size=2, device="meta")
+    problem = make_problem(H, torch.bfloat16, "fp8_per_group_64", "column_major_tma", world_size=2,
+                           device="meta")  # fmt: skip
     problem = type(problem)(**{**{f: getattr(problem, f) for f in problem.__dataclass_fields__},
                                "platform": "cuda", "arch": (9, 0)})  # fmt: skip
     (reason,) = check_capabilities(CAPABILITIES, problem)
