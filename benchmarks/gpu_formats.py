@@ -74,7 +74,7 @@ def _differences(a: Any, b: Any, fmt: str, layout: str) -> list[str]:
     import torch
 
     from arnorm import quant
-    from arnorm.testing._compare import ulps
+    from arnorm.testing import ulps
 
     out = []
     if not torch.equal(_bits(a.residual), _bits(b.residual)):

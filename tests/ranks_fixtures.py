@@ -10,6 +10,15 @@ import arnorm
 from arnorm._reference import add_rmsnorm, rank_order_sum
 
 
+def attempt(fn):
+    """``("ok", value)`` or ``("error", type name, message)``: a call's outcome, in a form that
+    pickles back from a spawned rank and compares across ranks."""
+    try:
+        return ("ok", fn())
+    except Exception as exc:
+        return ("error", type(exc).__name__, str(exc))
+
+
 def make_inputs(rank: int, world: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0):
     """This rank's partial, plus the residual and weight every rank shares."""
     g = torch.Generator().manual_seed(seed)

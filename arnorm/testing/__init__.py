@@ -1,6 +1,6 @@
 """Test support for arnorm and for backend authors: run code on several ranks, compare with the reference.
 
-- :func:`run_ranks` runs a function on N spawned processes joined in one torch.distributed group
+- :func:`run_ranks` runs a function on N fresh processes joined in one torch.distributed group
   (gloo on CPU); a rank that fails ends the run within seconds with its traceback.
 - :func:`ulps` / :func:`ulp_distance`: elementwise / largest distance in units in the last place.
 - :func:`registered` registers backends given as ``BackendSpec`` for one ``with`` block, in this

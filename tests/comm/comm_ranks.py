@@ -12,12 +12,7 @@ import torch.distributed as dist
 
 import arnorm
 
-
-def attempt(fn):
-    try:
-        return ("ok", fn())
-    except Exception as exc:
-        return ("error", type(exc).__name__, str(exc))
+from ranks_fixtures import attempt
 
 
 def _build(group):

@@ -13,12 +13,7 @@ import torch.distributed as dist
 
 import arnorm
 
-
-def attempt(fn):
-    try:
-        return ("ok", fn())
-    except Exception as exc:
-        return ("error", type(exc).__name__, str(exc))
+from ranks_fixtures import attempt
 
 
 def build_twice(rank: int, world: int):

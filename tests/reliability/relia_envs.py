@@ -1,6 +1,6 @@
 """Rank side of the disagreement attacks: ARNORM_* settings, plugins and constructor arguments that
 differ between ranks. Every scenario builds one op on its group and returns ``("ok", (chain,
-explanation text, next call paired))`` or ``("raised", type, message)``; the tests want one outcome
+explanation text, next call paired))`` or ``("error", type, message)``; the tests want one outcome
 on every rank.
 """
 
@@ -15,7 +15,8 @@ import torch
 import arnorm
 
 import fake_backends
-from relia_harness import Ctx, attempt
+from ranks_fixtures import attempt
+from relia_harness import Ctx
 
 H, T, MAX_TOKENS = 32, 4, 8
 #: The op every scenario builds unless it says otherwise (CPU tensors, also on a GPU host).

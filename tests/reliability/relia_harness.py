@@ -17,7 +17,7 @@ import functools
 import importlib
 import os
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,14 +45,6 @@ class Ctx:
     def last(self) -> int:
         """The rank that misbehaves in one-rank scenarios."""
         return self.world - 1
-
-
-def attempt(fn: Callable[[], Any]) -> tuple[Any, ...]:
-    """``("ok", value)`` or ``("raised", type name, message)``: outcomes that compare across ranks."""
-    try:
-        return ("ok", fn())
-    except Exception as exc:
-        return ("raised", type(exc).__name__, str(exc))
 
 
 #: The scenario modules; one spawn per world size runs all of them.

@@ -23,7 +23,8 @@ import torch
 import arnorm
 from arnorm._reference import add_rmsnorm, rank_order_sum
 
-from relia_harness import Ctx, attempt
+from ranks_fixtures import attempt
+from relia_harness import Ctx
 
 H, T, MAX_TOKENS = 32, 4, 8
 EPS = 1e-6
@@ -195,7 +196,7 @@ def _shift_without_check(ctx: Ctx) -> tuple:
     """No check mode: the last rank's first call is rejected, the others' is not; then every rank
     goes on with two more good calls.
 
-    Returns each call's outcome on this rank: ``("ok", correct)`` or ``("raised", type, message)``.
+    Returns each call's outcome on this rank: ``("ok", correct)`` or ``("error", type, message)``.
     The others' first call used to pair with the last rank's next call (another step's data, no
     error); the last rank's rejection now fills that collective's slot, so they raise.
     """

@@ -4,7 +4,7 @@ The classes are loaded in the rank processes by the loader string ``relia_plugin
 misbehave on the global ranks in :data:`BAD` (set by each scenario). Each scenario registers the
 misbehaving backend at priority 70 above ``fast`` (50, a correct all-reduce) and the reference, and
 returns ``("ok", (chain, (status, reasons) of the misbehaving backend, next call paired))`` or
-``("raised", type, message)``.
+``("error", type, message)``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import arnorm
 from arnorm.plugin import BackendSpec
 
 import fake_backends
+from ranks_fixtures import attempt
 from relia_envs import OP_ARGS, H, _paired
-from relia_harness import Ctx, attempt
+from relia_harness import Ctx
 
 #: Global ranks that misbehave in the current scenario.
 BAD: set[int] = set()

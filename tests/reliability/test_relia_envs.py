@@ -76,7 +76,7 @@ def test_disagreeing_ranks_end_the_same_way(world, name):
         assert re.search(pattern.format(last=world - 1), text), text
     else:
         error, pattern = expected
-        assert outcome[:2] == ("raised", error), outcome
+        assert outcome[:2] == ("error", error), outcome
         assert re.search(pattern.format(last=world - 1), outcome[2]), outcome[2]
         if "disagree" in pattern:
             assert outcome[2].endswith(AGREE), outcome[2]

@@ -34,7 +34,7 @@ def _cases(mode: str) -> list:
 def test_a_bad_argument_on_every_rank_is_the_same_local_error(world, kind):
     """Every rank rejects the same bad argument with the same message, writes nothing, stays paired."""
     outcome, unchanged, paired = harness.same_everywhere(outcomes(world, f"all:{kind}"))
-    assert outcome[:2] == ("raised", "InvalidInputError"), outcome
+    assert outcome[:2] == ("error", "InvalidInputError"), outcome
     assert outcome[2].startswith(ri.KINDS[kind][2]), outcome[2]
     assert unchanged and paired is True, (unchanged, paired)
 
@@ -44,7 +44,7 @@ def test_a_bad_argument_on_every_rank_is_the_same_local_error(world, kind):
 def test_with_check_calls_a_bad_argument_on_one_rank_fails_every_rank_the_same_way(world, kind):
     """ARNORM_CHECK_CALLS=1: one rank's bad (or divergent) call raises the same error on every rank."""
     outcome, unchanged, paired = harness.same_everywhere(outcomes(world, f"one_checked:{kind}"))
-    assert outcome[:2] == ("raised", "InvalidInputError"), outcome
+    assert outcome[:2] == ("error", "InvalidInputError"), outcome
     message = outcome[2]
     assert message.startswith("calls: differ across ranks or were rejected (rank 0: call "), message
     if ri.KINDS[kind][2]:
@@ -63,7 +63,7 @@ def test_without_check_calls_a_rejection_on_one_rank_is_told_to_the_others(world
     *others, last = results
     assert all(o[:2] == (("skipped",), True) for o in others), others
     outcome, unchanged, _ = last
-    assert outcome[:2] == ("raised", "InvalidInputError"), outcome
+    assert outcome[:2] == ("error", "InvalidInputError"), outcome
     assert outcome[2].startswith(ri.KINDS[kind][2]), outcome[2]
     assert unchanged
     told = f"PeerError: op out of step on rank {world - 1}: it rejected its call "  # 2 for w_swapped
@@ -81,7 +81,7 @@ def test_without_check_calls_a_one_rank_rejection_never_shifts_later_calls(world
         assert not any(o[0] == "ok" for o in got), (rank, got)
         first, *later = got
         if rank == world - 1:
-            assert first[:2] == ("raised", "InvalidInputError"), first
+            assert first[:2] == ("error", "InvalidInputError"), first
         else:
-            assert first[:2] == ("raised", "PeerError") and first[2].startswith(told), first
-        assert all(o[:2] == ("raised", "PeerError") for o in later), (rank, later)
+            assert first[:2] == ("error", "PeerError") and first[2].startswith(told), first
+        assert all(o[:2] == ("error", "PeerError") for o in later), (rank, later)

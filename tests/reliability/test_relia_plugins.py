@@ -67,7 +67,7 @@ def test_a_strictly_named_misbehaving_plugin_is_the_same_error_everywhere(world,
     """Named by the user, a plugin misbehaving on one rank raises the same selection error on all ranks."""
     error, start = STRICT[name]
     outcome = harness.same_everywhere(harness.outcomes(world, "relia_plugins", name))
-    assert outcome[:2] == ("raised", error), outcome
+    assert outcome[:2] == ("error", error), outcome
     assert outcome[2].startswith(start) and f"rank {world - 1}: " in outcome[2], outcome[2]
 
 
@@ -79,5 +79,5 @@ def test_close_raising_warns_and_closes_the_op_on_every_rank(world, name, warned
     for rank, (closed, warned, after, paired) in enumerate(results):
         assert closed == ("ok", None), closed
         assert warned == (warned_ranks == "all" or rank == world - 1), (rank, warned)
-        assert after == ("raised", "InvalidInputError", "op: closed (needs a new arnorm.AllReduceNorm)")
+        assert after == ("error", "InvalidInputError", "op: closed (needs a new arnorm.AllReduceNorm)")
         assert paired is True

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 #: Far above what any of these runs takes when a failure is noticed: a run that waited it out failed.
 TIMEOUT = 300.0
-#: Spawning two ranks that import torch takes a few seconds (longer on a loaded CI machine).
+#: Starting two ranks takes under a second from the fork server, a few seconds spawned (longer on a
+#: loaded CI machine).
 NOTICED_WITHIN = 60.0
 
 
@@ -30,6 +31,31 @@ def _fails_fast(fn, *args, **kw) -> str:
 def test_results_come_back_in_rank_order():
     """Each rank's return value comes back, indexed by rank, with per-rank environments applied."""
     assert run_ranks(2, fns.rank_and_world, "x", timeout=TIMEOUT) == [(0, 2, "x"), (1, 2, "x")]
+
+
+def test_ranks_see_the_callers_environment_and_path_as_they_are_at_the_call(monkeypatch, tmp_path):
+    """The ranks start from a fork server that imported torch once (where the platform has one),
+    yet see what a spawned process would: the caller's environment and ``sys.path`` at the call
+    (set or removed after the server started), then ``env``."""
+    import multiprocessing
+
+    monkeypatch.setenv("ARNORM_TEST_GONE", "set when the server started")
+    run_ranks(2, fns.rank_and_world, timeout=TIMEOUT)  # the server runs from here on
+    monkeypatch.setenv("ARNORM_TEST_LATE", "set after")
+    monkeypatch.delenv("ARNORM_TEST_GONE")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ["ARNORM_TEST_LATE", "ARNORM_TEST_GONE", "ARNORM_TEST_RANK"]
+    env = [{"ARNORM_TEST_RANK": str(r)} for r in range(2)]
+    got = run_ranks(2, fns.environment_and_path, names, str(tmp_path), env=env, timeout=TIMEOUT)
+    preloaded = "forkserver" in multiprocessing.get_all_start_methods()
+    assert got == [(("set after", None, str(r)), True, preloaded) for r in range(2)]
+
+
+def test_a_ranks_exit_handlers_run_when_it_ends(tmp_path):
+    """Exit handlers registered in a rank run when it ends, as at a spawned interpreter's exit
+    (arnorm's closes the ops an engine left open), although fork-server processes end in os._exit."""
+    run_ranks(2, fns.register_exit_writer, str(tmp_path / "exit"), timeout=TIMEOUT)
+    assert [(tmp_path / f"exit.{r}").read_text() for r in range(2)] == ["0", "1"]
 
 
 def test_exception_on_one_rank_fails_fast_with_its_traceback():

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+from typing import Any
+
+#: Whether torch was imported before this module (in a rank: by the fork server, not by the rank).
+_TORCH_BEFORE = "torch" in sys.modules
 
 if os.environ.get("TESTING_RANK_FNS_BREAK_IMPORT") == "1":
     raise ImportError("testing_rank_fns: broken on purpose on this rank")
@@ -56,3 +61,23 @@ def sleep_on_rank_one(rank: int, world: int) -> int:
     if rank == 1:
         time.sleep(3600)
     return rank
+
+
+def environment_and_path(rank: int, world: int, names: list[str], entry: str) -> tuple[Any, ...]:
+    """The values of ``names`` in this rank's environment, whether ``entry`` is on its
+    ``sys.path``, and whether torch was already imported before this function's module was."""
+    import os
+    import sys
+
+    return tuple(os.environ.get(n) for n in names), entry in sys.path, _TORCH_BEFORE
+
+
+def register_exit_writer(rank: int, world: int, path: str) -> None:
+    """An exit handler that writes this rank's number to ``path.<rank>`` when the process ends."""
+    import atexit
+
+    def write() -> None:
+        with open(f"{path}.{rank}", "w") as f:
+            f.write(str(rank))
+
+    atexit.register(write)
