@@ -102,9 +102,10 @@ def test_unpicklable_result_is_an_error_of_that_rank():
 
 def test_hung_rank_fails_at_the_timeout_argument():
     """A rank that never answers fails the run when run_ranks' own timeout argument runs out."""
+    run_ranks(2, fns.rank_and_world, timeout=TIMEOUT)  # the fork server is up: ranks start at once
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"rank\(s\) \[1\] did not finish within 20 s") as info:
-        run_ranks(2, fns.sleep_on_rank_one, timeout=20)
+    with pytest.raises(RankError, match=r"rank\(s\) \[1\] did not finish within 6 s") as info:
+        run_ranks(2, fns.sleep_on_rank_one, timeout=6)
     assert time.monotonic() - start < NOTICED_WITHIN
     assert "--- rank 1 was still running and was stopped ---" in str(info.value)
     assert info.value.timed_out
