@@ -45,6 +45,15 @@ def aligned() -> None:
     dist.barrier()
 
 
+def store_barrier(key: str, world: int) -> None:
+    """Wait until every rank has reached this point, through the default store (not a collective:
+    the group may hold a collective a timed-out peer left behind)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    while int(store.add(key, 0)) < world:
+        time.sleep(0.01)
+
+
 def stall(seconds: float) -> None:
     """Stall (a debugger, a slow host) until rank 0 says it is done, at most ``seconds``."""
     store = dist.distributed_c10d._get_default_store()
@@ -170,11 +179,18 @@ def extra_op_while_calling(rank: int, world: int):
     if rank == 0:
         second = one_call(op, rank, world, 2)
     else:
+        # Rank 1 starts building well inside rank 0's wait, so rank 0's call gives up first (rank 1
+        # then learns it and fails at once): two waits of one peer timeout begun together would race,
+        # and on a loaded machine either could end first.
+        time.sleep(float(os.environ["ARNORM_PEER_TIMEOUT"]) / 2)
         try:
             build().close()
             second = ("ok", "built")
         except Exception as exc:
             second = ("error", type(exc).__name__, str(exc))
+    # Both ranks are past their failed step before either builds again: rank 0's next construction
+    # must not meet rank 1's extra one while that one still waits.
+    store_barrier("faults/extra-op-step-2", world)
     try:
         with build() as again:
             third = one_call(again, rank, world, 3)
