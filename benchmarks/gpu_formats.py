@@ -79,8 +79,7 @@ def _differences(a: Any, b: Any, fmt: str, layout: str) -> list[str]:
     out = []
     if not torch.equal(_bits(a.residual), _bits(b.residual)):
         out.append(f"residual: {int((_bits(a.residual) != _bits(b.residual)).sum())} differ")
-    both_nan = torch.isnan(a.normed) & torch.isnan(b.normed)  # a NaN's sign and payload: no contract
-    off = torch.where(both_nan, 0, ulps(a.normed, b.normed))
+    off = ulps(a.normed, b.normed)  # two NaNs are 0 apart: a NaN's sign and payload are no contract
     if int(off.max()) > 1:
         worst = int(off.max())
         out.append(f"normed: {int((off > 1).sum())} more than 1 ulp from the reference (max {worst})")
@@ -97,9 +96,9 @@ def _differences(a: Any, b: Any, fmt: str, layout: str) -> list[str]:
 def _one_ulp(a: Any, b: Any) -> str:
     """The normed values 1 ulp from the reference, and the codes / scales that differ from the
     reference's through them (within the contract)."""
-    import torch
+    from arnorm.testing import ulps
 
-    n = int(((_bits(a.normed) != _bits(b.normed)) & ~(torch.isnan(a.normed) & torch.isnan(b.normed))).sum())
+    n = int((ulps(a.normed, b.normed) != 0).sum())
     if not n:
         return ""
     codes = int((_bits(a.quant.data) != _bits(b.quant.data)).sum())
@@ -164,11 +163,14 @@ def invariance(hidden: int, sizes: list[int], dev: Any) -> list[dict[str, Any]]:
             start = (start + 5) % (pool_rows - size)
             out = op(x[start : start + size].clone(), r[start : start + size].clone(), w)
             # Each row decoded (codes times its scales) through the public codec: with the codes,
-            # equal decoded rows mean equal scales wherever a group has a non-zero code.
+            # equal decoded rows mean equal scales wherever a group has a non-zero code; a linear
+            # layout's scales are rows too, and are compared themselves.
             decoded = quant.dequantize(out.quant)
             for i in range(size):
                 row = {"residual": out.residual[i], "normed": out.normed[i], "codes": out.quant.data[i],
                        "decoded": decoded[i]}  # fmt: skip
+                if layout == "linear":
+                    row["scales"] = out.quant.scale[i]
                 seen = first.setdefault(start + i, {n: _bits(v).clone() for n, v in row.items()})
                 bad += sum(not torch.equal(seen[n], _bits(v)) for n, v in row.items())
         op.close()

@@ -102,9 +102,9 @@ def test_static_reasons():
     assert TRITON.scale_layouts - CAPABILITIES.scale_layouts == {"column_major_tma", "packed_ue8m0"}
 
 
-def test_tma_layouts_fall_through_to_triton_with_a_reason():
-    """The two TMA-padded layouts are declined in the reason grammar, so a TP call asking for them is
-    served by the next backend, never by triton_symm."""
+def test_tma_layouts_are_declined_in_the_reason_grammar():
+    """The two TMA-padded layouts are declined with a reason, so triton_symm never serves a call
+    asking for them (the next eligible backend does)."""
     problem = make_problem(H, torch.bfloat16, "fp8_per_group_64", "column_major_tma", world_size=2,
                            device="meta")  # fmt: skip
     problem = type(problem)(**{**{f: getattr(problem, f) for f in problem.__dataclass_fields__},
